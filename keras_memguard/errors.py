@@ -1,0 +1,37 @@
+"""The exceptions keras_memguard raises.
+
+Every error the package raises on purpose derives from `MemGuardError`, so a
+caller can catch the package's own errors without catching TensorFlow's.
+"""
+
+
+class MemGuardError(Exception):
+    """Base class of every error raised by keras_memguard."""
+
+
+class MicroBatchTooLargeError(MemGuardError):
+    """A micro-batch of a single sample still runs out of memory.
+
+    Raised by the out-of-memory replay when splitting the batch further is
+    impossible. The message states the measured single-sample peak and the
+    device memory limit, and suggests remedies.
+
+    Args:
+        message: The explanation shown to the user.
+        peak_bytes: The allocator peak measured for the failing attempt, or
+            `None` when it could not be read.
+        limit_bytes: The device memory limit, or `None` when unknown.
+    """
+
+    def __init__(self, message, peak_bytes=None, limit_bytes=None):
+        super().__init__(message)
+        self.peak_bytes = peak_bytes
+        self.limit_bytes = limit_bytes
+
+
+class MemoryLimitUnknownError(MemGuardError):
+    """No memory limit could be resolved for a device the guard must watch."""
+
+
+class UnsupportedTrainingSetupError(MemGuardError):
+    """The model or `fit` configuration cannot be guarded safely."""

@@ -1,0 +1,66 @@
+"""Sample types shared by every probe.
+
+Samples are immutable and hold integer bytes; a value a probe cannot read is
+`None`, never a guess. Probes measure and never decide.
+"""
+
+from typing import NamedTuple, Optional
+
+MIB = 1024 * 1024
+
+
+class AllocatorSample(NamedTuple):
+    """One reading of TensorFlow's allocator for one device.
+
+    Attributes:
+        device: Short device name used in tags and logs: `"gpu0"`, `"cpu0"`.
+        tf_device: The TensorFlow device string read: `"GPU:0"`, `"CPU:0"`.
+        current_bytes: Bytes allocated at the time of reading, or `None`.
+        peak_bytes: Highest bytes allocated since the previous reading (the
+            per-batch peak when read once per batch), or `None`.
+        limit_bytes: The device memory limit in force, or `None` if unknown.
+        source: Always `"allocator"`.
+    """
+
+    device: str
+    tf_device: str
+    current_bytes: Optional[int]
+    peak_bytes: Optional[int]
+    limit_bytes: Optional[int]
+    source: str = "allocator"
+
+    @property
+    def usage(self):
+        """Peak bytes over the limit (0..1, may exceed 1), or `None`."""
+        if self.peak_bytes is None or not self.limit_bytes:
+            return None
+        return self.peak_bytes / self.limit_bytes
+
+
+class NvmlSample(NamedTuple):
+    """One NVML reading of one GPU.
+
+    With TensorFlow's default pre-allocation, `used_bytes` sits near the
+    device total whatever the model needs: decide from `AllocatorSample`.
+
+    Attributes:
+        device: Short device name: `"gpu0"` for TensorFlow's `GPU:0`.
+        nvml_index: The NVML index of that GPU (differs from the TensorFlow
+            ordinal when `CUDA_VISIBLE_DEVICES` reorders or hides GPUs).
+        total_bytes: Device memory in total, or `None`.
+        used_bytes: Device memory used by all processes, or `None`.
+        free_bytes: Device memory free, or `None`.
+        process_bytes: Device memory used by this process, or `None`.
+        gpu_utilization_percent: GPU utilization (0-100) over NVML's last
+            sampling period (1/6 s to 1 s), or `None`.
+        source: Always `"nvml"`.
+    """
+
+    device: str
+    nvml_index: int
+    total_bytes: Optional[int]
+    used_bytes: Optional[int]
+    free_bytes: Optional[int]
+    process_bytes: Optional[int]
+    gpu_utilization_percent: Optional[int]
+    source: str = "nvml"

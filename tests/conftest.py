@@ -1,0 +1,21 @@
+"""Runs the whole test process under TensorFlow's BFC CPU allocator.
+
+Set before TensorFlow is imported, so every allocation is counted (the
+default CPU allocator misses small ones) and a generous cap is in force.
+Tests that need a small cap, and so real out-of-memory errors, start their own
+process through `keras_memguard.testing.run_with_memory_cap`.
+"""
+
+import os
+
+SUITE_MEMORY_LIMIT_MIB = 8192
+
+os.environ.update(
+    {
+        "TF_CPU_ALLOCATOR_USE_BFC": "true",
+        "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(SUITE_MEMORY_LIMIT_MIB),
+        "TF_ENABLE_ONEDNN_OPTS": "0",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "KERAS_BACKEND": "tensorflow",
+    }
+)
