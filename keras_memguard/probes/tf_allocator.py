@@ -1,0 +1,540 @@
+"""Reads TensorFlow's allocator: current and per-interval peak bytes."""
+
+import logging
+import numbers
+import os
+import re
+import warnings
+from typing import NamedTuple, Optional
+
+from keras_memguard.probes.base import MIB
+from keras_memguard.probes.base import AllocatorSample
+
+logger = logging.getLogger("keras_memguard")
+
+# TensorFlow's own default when TF_CPU_BFC_MEM_LIMIT_IN_MB is unset or not an
+# integer (tensorflow/core/common_runtime/process_state.cc: 1 << 16 MiB).
+TF_DEFAULT_CPU_BFC_LIMIT_MIB = 1 << 16
+
+LIMIT_SOURCES = ("user", "logical_device", "cpu_bfc_env", "nvml", "unknown")
+MODES = ("bfc", "default", "unavailable", "gpu")
+
+_DEVICE_RE = re.compile(r"^(?:.*/)?(?:device:)?(cpu|gpu):?(\d+)$", re.IGNORECASE)
+_BFC_HINT = (
+    "HINT: set TF_CPU_ALLOCATOR_USE_BFC=true (and TF_CPU_BFC_MEM_LIMIT_IN_MB="
+    "<MiB> for a cap) in the environment before TensorFlow is imported."
+)
+_LIMIT_HINT = (
+    "HINT: pass `memory_limit=<bytes>` (an int, or a dict such as "
+    '{"GPU:0": 16 * 2**30}) to the probe or callback.'
+)
+
+
+class _Entry(NamedTuple):
+    tf_device: str
+    name: str
+    kind: str
+    mode: str
+    limit: Optional[int]
+    source: str
+
+
+def normalize_device(device):
+    """Returns the short TensorFlow form of a CPU or GPU device.
+
+    Args:
+        device: A device string such as `"GPU:0"`, `"/device:GPU:0"`,
+            `"/job:localhost/replica:0/task:0/device:CPU:1"` or `"gpu0"`, or
+            an object with such a `name` (a `tf.config.LogicalDevice`).
+
+    Returns:
+        The device as `"GPU:0"` or `"CPU:1"`, or `None` if it is not a CPU or
+        GPU device string.
+    """
+    name = getattr(device, "name", device)
+    if not isinstance(name, str):
+        return None
+    match = _DEVICE_RE.match(name.strip())
+    if match is None:
+        return None
+    return f"{match.group(1).upper()}:{int(match.group(2))}"
+
+
+def _env_flag(name):
+    # TensorFlow's ReadBoolFromEnvVar accepts "true"/"1", case-insensitively.
+    return os.environ.get(name, "").strip().lower() in ("true", "1")
+
+
+def _cpu_bfc_limit_bytes():
+    """The CPU BFC cap TensorFlow applies, or `None` when BFC is off."""
+    if not _env_flag("TF_CPU_ALLOCATOR_USE_BFC"):
+        return None
+    try:
+        mib = int(os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", "").strip())
+    except ValueError:  # TensorFlow falls back to its default likewise.
+        mib = TF_DEFAULT_CPU_BFC_LIMIT_MIB
+    return mib * MIB if mib > 0 else None
+
+
+def _check_bytes(value, label):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not (
+            isinstance(value, numbers.Integral)
+            or (isinstance(value, float) and value.is_integer())
+        )
+        or value < 1
+    ):
+        raise ValueError(
+            f"`{label}` must be a positive number of bytes (an int), a dict "
+            "mapping device strings to one, or None. "
+            f"Received: {label}={value!r}"
+        )
+    return int(value)
+
+
+def logical_device_limits(physical_devices):
+    """Maps logical devices to their physical ordinal and configured limit.
+
+    Logical devices are numbered per type across the visible physical
+    devices in order; a physical device with a logical device configuration
+    holds one logical device per entry, otherwise exactly one.
+
+    Args:
+        physical_devices: Pairs `(physical_device_name, configurations)`:
+            the name as `tf.config.PhysicalDevice.name`
+            (`"/physical_device:GPU:1"`), and the list
+            `tf.config.get_logical_device_configuration` returns, or `None`.
+
+    Returns:
+        A dict mapping `"GPU:i"`/`"CPU:i"` to `(physical_ordinal,
+        memory_limit_bytes_or_None)`.
+    """
+    result = {}
+    counters = {}
+    for physical_name, configurations in physical_devices:
+        short = normalize_device(physical_name.replace("physical_device:", ""))
+        if short is None:
+            continue
+        kind, ordinal = short.split(":")
+        limits = [None]
+        if configurations:
+            limits = [getattr(c, "memory_limit", None) for c in configurations]
+        for limit_mib in limits:
+            logical = counters.get(kind, 0)
+            counters[kind] = logical + 1
+            limit = int(limit_mib) * MIB if limit_mib else None
+            result[f"{kind}:{logical}"] = (int(ordinal), limit)
+    return result
+
+
+class AllocatorProbe:
+    """Reads TensorFlow's allocator: current bytes and the peak per interval.
+
+    Each `sample()` reads `tf.config.experimental.get_memory_info` for every
+    device, then `reset_memory_stats`, so `peak_bytes` is the high-water mark
+    since the previous sample: the per-batch peak when sampled once per batch.
+    Call `reset()` at train begin. The probe never raises while sampling: a
+    value it cannot read is `None`, and a problem is warned about once.
+
+    Devices, modes and limits are resolved on first use (the first call of
+    any method or property), so configure TensorFlow's devices
+    (`set_visible_devices`, `set_logical_device_configuration`) before.
+
+    The memory limit of each device is resolved in this order; see
+    `limit_source()`:
+
+    1. `"user"`: the `memory_limit` argument.
+    2. `"logical_device"`: the `memory_limit` (MiB) of the device's entry in
+       `tf.config.get_logical_device_configuration(physical_device)`.
+    3. `"cpu_bfc_env"` (CPU): `TF_CPU_BFC_MEM_LIMIT_IN_MB` when
+       `TF_CPU_ALLOCATOR_USE_BFC` is `true` or `1`; TensorFlow's own
+       default of 64 GiB when that variable is unset. TensorFlow reads these
+       once at import; the probe reads `os.environ` at first use.
+    4. `"nvml"` (GPU): the device total from NVML (`NvmlProbe`). TensorFlow
+       keeps part of it back and other processes may use some, so usage
+       reads a little low: pass `memory_limit` where that matters.
+    5. `"unknown"`: the limit and so `usage` are `None`; warned once.
+
+    Logical devices that share one physical allocator (several logical CPUs
+    `"CPU:0"`, `"CPU:1"` under a `tf.distribute` strategy) are each read and
+    report the same shared numbers. All devices are read before any is
+    reset, so a shared allocator's peak is not lost between them.
+
+    Args:
+        devices: TensorFlow device strings to read, such as
+            `["GPU:0", "GPU:1"]`; full names like
+            `strategy.extended.worker_devices` are accepted. Defaults to
+            `None`: every logical GPU, or `["CPU:0"]` without a GPU,
+            resolved on first use.
+        memory_limit: Device memory limit in bytes: one `int` for every
+            device, or a dict mapping device strings to bytes. Defaults to
+            `None`: resolved as above.
+
+    Raises:
+        ValueError: If `devices` is not a non-empty list of CPU or GPU device
+            strings, or `memory_limit` is not a positive number of bytes or
+            a dict of them for those devices.
+
+    Example:
+
+    ```python
+    probe = AllocatorProbe(memory_limit={"GPU:0": 16 * 2**30})
+    probe.reset()
+    model.train_on_batch(x, y)
+    (s,) = probe.sample()
+    print(s.device, s.peak_bytes, s.usage)
+    ```
+    """
+
+    def __init__(self, devices=None, memory_limit=None):
+        if devices is not None:
+            if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
+                devices = [devices] if normalize_device(devices) else devices
+            if not isinstance(devices, (list, tuple)) or not devices:
+                raise ValueError(
+                    "`devices` must be a non-empty list of TensorFlow device "
+                    'strings such as ["GPU:0"] or ["CPU:0"], or None. '
+                    f"Received: devices={devices!r}"
+                )
+            normalized = []
+            for device in devices:
+                short = normalize_device(device)
+                if short is None:
+                    raise ValueError(
+                        "`devices` must hold CPU or GPU device strings such "
+                        'as "GPU:0" or "/device:CPU:0". '
+                        f"Received: devices={devices!r}"
+                    )
+                if short not in normalized:
+                    normalized.append(short)
+            devices = tuple(normalized)
+        self._requested_devices = devices
+
+        if memory_limit is None or isinstance(memory_limit, dict):
+            limits = {}
+            for key, value in (memory_limit or {}).items():
+                short = normalize_device(key)
+                if short is None:
+                    raise ValueError(
+                        "`memory_limit` keys must be CPU or GPU device "
+                        'strings such as "GPU:0". '
+                        f"Received: memory_limit={memory_limit!r}"
+                    )
+                limits[short] = _check_bytes(value, f"memory_limit[{key!r}]")
+            if devices is not None and set(limits) - set(devices):
+                raise ValueError(
+                    "`memory_limit` names devices the probe does not read: "
+                    f"{sorted(set(limits) - set(devices))}. "
+                    f"Received: memory_limit={memory_limit!r} with "
+                    f"devices={list(devices)!r}"
+                )
+            self._user_limit_all = None
+            self._user_limits = limits
+        else:
+            self._user_limit_all = _check_bytes(memory_limit, "memory_limit")
+            self._user_limits = {}
+        smallest = min(
+            [self._user_limit_all or MIB] + list(self._user_limits.values())
+        )
+        if smallest < MIB:
+            warnings.warn(
+                f"`memory_limit` of {smallest} bytes is under 1 MiB: it is "
+                "in bytes, not MiB. HINT: for 8 GiB pass 8 * 2**30. "
+                f"Received: memory_limit={memory_limit!r}",
+                stacklevel=2,
+            )
+
+        self._entries = None
+        self._readable = ()
+        self._by_device = {}
+        self._messages = []
+        self._logged = set()
+        self._get_memory_info = None
+        self._reset_memory_stats = None
+
+    @property
+    def devices(self):
+        """Tuple of the TensorFlow device strings read, e.g. `("GPU:0",)`."""
+        self._ensure_ready()
+        return tuple(e.tf_device for e in self._entries)
+
+    @property
+    def mode(self):
+        """How much the allocator readings can be trusted.
+
+        - `"bfc"`: the CPU BFC allocator is on
+          (`TF_CPU_ALLOCATOR_USE_BFC=true`): every allocation is counted and
+          a cap is enforced, as on a GPU. The project's GPU stand-in.
+        - `"default"`: TensorFlow's default CPU allocator (oneDNN on):
+          readings work but small allocations are not counted, so a small
+          model can read 0 bytes. Warned once.
+        - `"unavailable"`: TensorFlow keeps no statistics for the device
+          (`get_memory_info` raises `ValueError`, e.g. CPU with oneDNN off
+          and no BFC, or a device that does not exist): current and peak
+          are `None`. Warned once, with a hint.
+        - `"gpu"`: a GPU's allocator: every allocation is counted.
+
+        When devices differ, the least reliable mode among them
+        (`"unavailable"`, then `"default"`); see `device_mode()`.
+        """
+        self._ensure_ready()
+        modes = {e.mode for e in self._entries}
+        for mode in ("unavailable", "default", "bfc", "gpu"):
+            if mode in modes:
+                return mode
+        return "unavailable"
+
+    def device_mode(self, device):
+        """Returns the mode (see `mode`) of one device read by the probe.
+
+        Args:
+            device: A device string such as `"GPU:0"` or `"gpu0"`.
+
+        Raises:
+            ValueError: If the probe does not read `device`.
+        """
+        return self._entry(device).mode
+
+    def limit_bytes(self, device):
+        """Returns the memory limit of one device in bytes, or `None`.
+
+        Args:
+            device: A device string such as `"GPU:0"` or `"gpu0"`.
+
+        Raises:
+            ValueError: If the probe does not read `device`.
+        """
+        return self._entry(device).limit
+
+    def limit_source(self, device):
+        """Returns where the limit of one device came from.
+
+        Args:
+            device: A device string such as `"GPU:0"` or `"gpu0"`.
+
+        Returns:
+            One of `"user"`, `"logical_device"`, `"cpu_bfc_env"`, `"nvml"`,
+            `"unknown"`.
+
+        Raises:
+            ValueError: If the probe does not read `device`.
+        """
+        return self._entry(device).source
+
+    def reset(self):
+        """Resets every device's peak to its current bytes (at train begin)."""
+        if self._entries is None:
+            self._ensure_ready()
+        self._reset_all()
+
+    def sample(self):
+        """Reads every device, then resets its peak.
+
+        Returns:
+            A tuple of `AllocatorSample`, one per device in `devices` order,
+            with `peak_bytes` the high-water mark since the previous
+            `sample()` or `reset()`. Values that cannot be read are `None`.
+        """
+        if self._entries is None:
+            self._ensure_ready()
+        get = self._get_memory_info
+        infos = []
+        for entry in self._entries:
+            info = None
+            if entry.mode != "unavailable":
+                try:
+                    info = get(entry.tf_device)
+                except Exception as e:  # A probe never stops training.
+                    self._log_failure("get_memory_info", entry, e)
+            infos.append(info)
+        self._reset_all()
+        return tuple(
+            AllocatorSample(
+                entry.name,
+                entry.tf_device,
+                None if info is None else info["current"],
+                None if info is None else info["peak"],
+                entry.limit,
+            )
+            for entry, info in zip(self._entries, infos)
+        )
+
+    def _reset_all(self):
+        reset = self._reset_memory_stats
+        for entry in self._readable:
+            try:
+                reset(entry.tf_device)
+            except Exception as e:  # A probe never stops training.
+                self._log_failure("reset_memory_stats", entry, e)
+
+    def _log_failure(self, what, entry, error):
+        key = (what, entry.tf_device)
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.warning(
+                "tf.config.experimental.%s(%r) failed: %s. Its readings are "
+                "None; this message is shown once per device.",
+                what,
+                entry.tf_device,
+                error,
+            )
+
+    def _entry(self, device):
+        self._ensure_ready(stacklevel=4)
+        entry = self._by_device.get(normalize_device(device))
+        if entry is None:
+            raise ValueError(
+                f"The probe does not read device {device!r}. It reads: "
+                f"{[e.tf_device for e in self._entries]}."
+            )
+        return entry
+
+    def _ensure_ready(self, stacklevel=3):
+        # stacklevel=3 names the caller of the public method that called
+        # this helper: the line `stacklevel=2` would name if inlined there.
+        if self._entries is None:
+            try:
+                self._setup()
+            except Exception as e:  # Setup runs inside fit: never raise.
+                self._entries = ()
+                self._messages.append(
+                    f"The allocator probe could not start ({e!r}); it reads "
+                    "nothing. HINT: report this with the TensorFlow version."
+                )
+        while self._messages:
+            warnings.warn(self._messages.pop(0), stacklevel=stacklevel)
+
+    def _setup(self):
+        """Resolves devices, modes, limits and names, once."""
+        import tensorflow as tf
+
+        self._get_memory_info = tf.config.experimental.get_memory_info
+        self._reset_memory_stats = tf.config.experimental.reset_memory_stats
+
+        logical = {}
+        existing = set()
+        for kind in ("GPU", "CPU"):
+            physical = [
+                (p.name, tf.config.get_logical_device_configuration(p))
+                for p in tf.config.get_visible_devices(kind)
+            ]
+            logical.update(logical_device_limits(physical))
+            existing.update(
+                normalize_device(d) for d in tf.config.list_logical_devices(kind)
+            )
+
+        devices = self._requested_devices
+        if devices is None:
+            devices = sorted(
+                (d for d in existing if d.startswith("GPU:")),
+                key=lambda d: int(d.split(":")[1]),
+            ) or ["CPU:0"]
+            stray = sorted(set(self._user_limits) - set(devices))
+            if stray:
+                self._messages.append(
+                    f"`memory_limit` names devices the probe does not read: "
+                    f"{stray}; they are ignored. The probe reads "
+                    f"{list(devices)}. HINT: pass `devices=` or fix the keys."
+                )
+
+        cpu_bfc_limit = _cpu_bfc_limit_bytes()
+        nvml = None
+        entries = []
+        for tf_device in devices:
+            kind = tf_device.split(":")[0]
+            try:
+                self._get_memory_info(tf_device)
+                if kind == "GPU":
+                    mode = "gpu"
+                elif _env_flag("TF_CPU_ALLOCATOR_USE_BFC"):
+                    mode = "bfc"
+                else:
+                    mode = "default"
+            except Exception:
+                mode = "unavailable"
+
+            physical_ordinal, logical_limit = logical.get(tf_device, (None, None))
+            if self._user_limit_all is not None:
+                limit, source = self._user_limit_all, "user"
+            elif tf_device in self._user_limits:
+                limit, source = self._user_limits[tf_device], "user"
+            elif logical_limit is not None:
+                limit, source = logical_limit, "logical_device"
+            elif kind == "CPU" and cpu_bfc_limit is not None:
+                limit, source = cpu_bfc_limit, "cpu_bfc_env"
+            elif kind == "GPU" and physical_ordinal is not None:
+                if nvml is None:
+                    from keras_memguard.probes.nvml import NvmlProbe
+
+                    nvml = NvmlProbe()
+                    # Fold NVML's own warning into the unknown-limit one.
+                    nvml._start()
+                    nvml._warned = True
+                limit = nvml.total_bytes(physical_ordinal)
+                source = "nvml" if limit is not None else "unknown"
+            else:
+                limit, source = None, "unknown"
+            entries.append(
+                _Entry(
+                    tf_device, tf_device.lower().replace(":", ""), kind, mode,
+                    limit, source,
+                )
+            )
+        if nvml is not None:
+            nvml.close()
+
+        self._warn_about(entries, existing, nvml)
+        self._entries = tuple(entries)
+        self._readable = tuple(e for e in entries if e.mode != "unavailable")
+        self._by_device = {e.tf_device: e for e in entries}
+
+    def _warn_about(self, entries, existing, nvml):
+        """Queues one warning per kind of problem, naming every device."""
+
+        def names(predicate):
+            return [e.tf_device for e in entries if predicate(e)]
+
+        def join(devices):
+            return ", ".join(devices)
+
+        missing = names(lambda e: e.tf_device not in existing)
+        if missing:
+            self._messages.append(
+                f"TensorFlow has no device {join(missing)}: its readings are "
+                f"None. HINT: read one of {join(sorted(existing))}."
+            )
+        unavailable = names(
+            lambda e: e.mode == "unavailable" and e.tf_device in existing
+        )
+        if unavailable:
+            self._messages.append(
+                f"{join(unavailable)}: TensorFlow keeps no allocator "
+                "statistics (the default CPU allocator with oneDNN off), so "
+                "memory readings are None" + self._limit_clause(entries, unavailable)
+                + f". {_BFC_HINT}"
+            )
+        default = names(lambda e: e.mode == "default")
+        if default:
+            self._messages.append(
+                f"{join(default)}: TensorFlow's default CPU allocator does "
+                "not count small allocations, so a small model can read 0 "
+                "bytes" + self._limit_clause(entries, default) + f". {_BFC_HINT}"
+            )
+        # Devices above already warned about their unknown limit.
+        unknown = names(lambda e: e.source == "unknown" and e.mode in ("bfc", "gpu"))
+        if unknown:
+            nvml_note = ""
+            if nvml is not None and nvml._message:
+                nvml_note = f" NVML could not help: {nvml._message}"
+            self._messages.append(
+                f"{join(unknown)}: no memory limit is known, so usage is None."
+                f"{nvml_note} {_LIMIT_HINT}"
+            )
+
+    @staticmethod
+    def _limit_clause(entries, devices):
+        if any(e.source == "unknown" for e in entries if e.tf_device in devices):
+            return ", and no memory limit is known, so usage is None"
+        return ""
