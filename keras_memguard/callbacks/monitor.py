@@ -1,0 +1,214 @@
+"""MemoryMonitor: log device memory every batch to TensorBoard and the logs."""
+
+import keras
+
+from keras_memguard.callbacks.sampling import resolve_limits
+from keras_memguard.callbacks.sampling import shared_reader
+from keras_memguard.probes.tf_allocator import AllocatorProbe
+from keras_memguard.probes.nvml import NvmlProbe
+from keras_memguard.sinks import tensorboard as tb
+
+PEAK_LOG_KEY = "memory_peak_mib"
+USAGE_LOG_KEY = "memory_usage"
+
+
+class MemoryMonitor(keras.callbacks.Callback):
+    """Logs device memory to TensorBoard and to the Keras logs.
+
+    Every sampled batch, the TensorFlow allocator of each device in use
+    (`GPU:i`, or `CPU:0` without a GPU) is read: the bytes in use and the
+    highest bytes in use since the previous sample (the per-batch peak, which
+    is what predicts the next out-of-memory error). On NVIDIA GPUs, NVML's
+    device-wide readings are logged beside them.
+
+    TensorBoard scalars are written to the run `<log_dir>/memguard`, next to
+    the runs of `keras.callbacks.TensorBoard` (`{dev}` is `gpu0`, `gpu1`, ...,
+    or `cpu0`):
+
+    - `memory/{dev}/current_mib`, `memory/{dev}/peak_mib`,
+      `memory/{dev}/limit_mib` (when the limit is known) and
+      `memory/{dev}/usage` (peak / limit, 0..1);
+    - with NVML: `memory/{dev}/nvml_used_mib`,
+      `memory/{dev}/nvml_process_mib`, `utilization/{dev}/gpu_percent`;
+    - at each epoch end: `memory/{dev}/epoch_peak_mib`.
+
+    The step is a global batch counter that keeps rising across epochs and
+    across repeated `fit` calls with the same callback; epoch scalars are
+    written at the step of the epoch's last batch.
+
+    The batch and epoch `logs` get `memory_peak_mib` and `memory_usage` (the
+    highest over devices), so the progress bar, `History` and `CSVLogger`
+    show them. With `steps_per_execution > 1`, one sample covers every step
+    of the execution.
+
+    Args:
+        log_dir: Directory for TensorBoard logs, usually the same as the one
+            given to `keras.callbacks.TensorBoard`. `None` writes no event
+            file and only adds the `logs` keys. Defaults to `None`.
+        update_freq: `"batch"` to sample every batch, an integer `N` to
+            sample every `N` batches (the peak still covers all of them), or
+            `"epoch"` to sample once per epoch. Defaults to `"batch"`.
+        memory_limit: Device memory limit in bytes (an int for every device,
+            or a dict from TensorFlow device string to bytes) used for
+            `usage`. `None` resolves it as `AllocatorProbe` documents.
+            Defaults to `None`.
+        nvml: Whether to read NVML on NVIDIA GPUs. Without NVML or a GPU this
+            is skipped with one warning. Defaults to `True`.
+
+    Example:
+
+    ```python
+    monitor = keras_memguard.MemoryMonitor(log_dir="logs")
+    model.fit(x, y, epochs=2, callbacks=[monitor])
+    # tensorboard --logdir logs
+    ```
+    """
+
+    def __init__(self, log_dir=None, update_freq="batch", memory_limit=None, nvml=True):
+        super().__init__()
+        if update_freq not in ("batch", "epoch") and (
+            isinstance(update_freq, bool)
+            or not isinstance(update_freq, int)
+            or update_freq < 1
+        ):
+            raise ValueError(
+                "`update_freq` must be 'batch', 'epoch' or a positive integer. "
+                f"Received: update_freq={update_freq!r}"
+            )
+        if not isinstance(nvml, bool):
+            raise ValueError(f"`nvml` must be True or False. Received: nvml={nvml!r}")
+        self.log_dir = log_dir
+        self.update_freq = update_freq
+        self.memory_limit = memory_limit
+        self.nvml = nvml
+        self._every = 1 if update_freq == "batch" else update_freq
+        self._writer = tb.writer_for(log_dir) if log_dir is not None else None
+        self._nvml_probe = NvmlProbe() if nvml else None
+        self._reader = None
+        self._tags = {}
+        # Global batch counter across epochs and fits, and the epoch's state.
+        self._step = 0
+        self._last_batch = -1
+        self._since_sample = 0
+        self._epoch_peaks = {}
+        self._open_interval = False
+        self._in_fit = False
+        self._limits = ()
+        if memory_limit is not None:
+            AllocatorProbe(memory_limit=memory_limit)  # validates it
+
+    def set_model(self, model):
+        super().set_model(model)
+        self._reader = shared_reader(model)
+        self._reader.register(self)
+
+    def on_train_begin(self, logs=None):
+        self._in_fit = True
+        self._limits = resolve_limits(self._reader.probe, self.memory_limit)
+        self._reader.reset()
+
+    def on_train_end(self, logs=None):
+        self._in_fit = False
+        if self._writer is not None:
+            self._writer.flush()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._last_batch = -1
+        self._since_sample = 0
+        self._epoch_peaks = {}
+
+    def on_train_batch_end(self, batch, logs=None):
+        # With steps_per_execution > 1 Keras reports once per execution.
+        steps = batch - self._last_batch
+        self._last_batch = batch
+        self._step += steps
+        self._since_sample += steps
+        self._open_interval = True
+        if self.update_freq == "epoch" or self._since_sample < self._every:
+            return
+        self._since_sample = 0
+        self._sample(logs, key=(id(logs), batch), write=True)
+
+    def on_test_begin(self, logs=None):
+        # Close the training interval so that validation memory is not
+        # counted as a training batch's peak.
+        if self._in_fit and self._open_interval:
+            self._sample(None, key=None, write=False)
+
+    def on_test_end(self, logs=None):
+        if self._in_fit:
+            self._reader.reset()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._open_interval:
+            # The batches since the last sample; in "epoch" mode, the epoch.
+            self._sample(None, key=None, write=self.update_freq == "epoch")
+        if not self._epoch_peaks:
+            return
+        scalars = []
+        peak_mib = usage = None
+        for device, (peak, limit) in self._epoch_peaks.items():
+            scalars.append((self._tags_of(device)["epoch_peak"], tb.to_mib(peak)))
+            peak_mib = _max(peak_mib, tb.to_mib(peak))
+            if peak is not None and limit:
+                usage = _max(usage, peak / limit)
+        if logs is not None:
+            _put(logs, PEAK_LOG_KEY, peak_mib)
+            _put(logs, USAGE_LOG_KEY, usage)
+        if self._writer is not None:
+            self._writer.write(self._step, scalars)
+            self._writer.flush()
+
+    def _tags_of(self, device):
+        tags = self._tags.get(device)
+        if tags is None:
+            tags = self._tags[device] = tb.device_tags(device)
+        return tags
+
+    def _sample(self, logs, key, write):
+        """Reads the probes; with `write`, writes one point per device."""
+        self._open_interval = False
+        samples = self._reader.read(self, key)
+        scalars = []
+        peak_mib = usage = None
+        for sample, limit in zip(samples, self._limits):
+            tags = self._tags_of(sample.device)
+            peak = sample.peak_bytes
+            sample_usage = peak / limit if peak is not None and limit else None
+            scalars += (
+                (tags["current"], tb.to_mib(sample.current_bytes)),
+                (tags["peak"], tb.to_mib(peak)),
+                (tags["limit"], tb.to_mib(limit)),
+                (tags["usage"], sample_usage),
+            )
+            peak_mib = _max(peak_mib, tb.to_mib(peak))
+            usage = _max(usage, sample_usage)
+            old = self._epoch_peaks.get(sample.device)
+            if old is None or (peak is not None and (old[0] is None or peak > old[0])):
+                self._epoch_peaks[sample.device] = (peak, limit)
+        if write and self._nvml_probe is not None and self._nvml_probe.available:
+            for reading in self._nvml_probe.sample():
+                tags = self._tags_of(reading.device)
+                scalars += (
+                    (tags["nvml_used"], tb.to_mib(reading.used_bytes)),
+                    (tags["nvml_process"], tb.to_mib(reading.process_bytes)),
+                    (tags["gpu_percent"], reading.gpu_utilization_percent),
+                )
+        if logs is not None:
+            _put(logs, PEAK_LOG_KEY, peak_mib)
+            _put(logs, USAGE_LOG_KEY, usage)
+        if write and self._writer is not None:
+            self._writer.write(self._step, scalars)
+
+
+def _max(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a if a >= b else b
+
+
+def _put(logs, key, value):
+    if value is not None:
+        logs[key] = value

@@ -1,0 +1,119 @@
+"""One allocator reading per training batch, shared by every callback.
+
+`MemoryMonitor` and `MemoryGuard` on the same model must not read (and so
+reset) the allocator twice in one batch: the second reader would see an
+empty interval. `shared_reader(model)` gives both the same reader; it reads
+the probe once per batch and keeps, for each consumer, the highest peak seen
+since that consumer's previous read, so a consumer that reads every N
+batches still gets the true peak of its whole interval.
+"""
+
+import weakref
+
+from keras_memguard.probes.tf_allocator import AllocatorProbe
+
+_readers = weakref.WeakKeyDictionary()
+
+
+class SharedAllocatorReader:
+    """Reads an `AllocatorProbe` once per batch on behalf of several consumers.
+
+    Args:
+        probe: The `AllocatorProbe` to read.
+    """
+
+    def __init__(self, probe):
+        self.probe = probe
+        self._last_key = None
+        self._last_samples = ()
+        # consumer -> highest peak per device since that consumer's last read.
+        self._pending = {}
+
+    def register(self, consumer):
+        """Starts tracking interval peaks for `consumer` (any hashable)."""
+        self._pending.setdefault(consumer, None)
+
+    def reset(self):
+        """Resets the allocator peaks and forgets every pending interval."""
+        self.probe.reset()
+        self._last_key = None
+        for consumer in self._pending:
+            self._pending[consumer] = None
+
+    def read(self, consumer, key=None):
+        """Returns samples whose peak covers `consumer`'s interval.
+
+        Args:
+            consumer: A registered consumer.
+            key: Identifies the batch. Consumers passing the same key share
+                one probe reading; `None` always reads afresh.
+
+        Returns:
+            A tuple of `AllocatorSample`, one per device, where `peak_bytes`
+            is the highest peak since `consumer` last read.
+        """
+        if key is None or key != self._last_key:
+            samples = self.probe.sample()
+            self._last_key = key
+            self._last_samples = samples
+            for other, peaks in self._pending.items():
+                if other is not consumer:
+                    self._pending[other] = _max_peaks(peaks, samples)
+        else:
+            samples = self._last_samples
+        peaks = self._pending.get(consumer)
+        self._pending[consumer] = None
+        if peaks is None:
+            return samples
+        return tuple(
+            sample._replace(peak_bytes=peak)
+            for sample, peak in zip(samples, _max_peaks(peaks, samples))
+        )
+
+
+def _max_peaks(peaks, samples):
+    """Folds the peaks of `samples` into a running per-device maximum."""
+    if peaks is None:
+        return [sample.peak_bytes for sample in samples]
+    return [
+        None if old is None or new.peak_bytes is None else max(old, new.peak_bytes)
+        for old, new in zip(peaks, samples)
+    ]
+
+
+def shared_reader(model):
+    """Returns the reader shared by every callback of `model`.
+
+    Its probe resolves limits itself; a callback given its own
+    `memory_limit` applies it through `resolve_limits`.
+
+    Args:
+        model: The Keras model being trained.
+
+    Returns:
+        A `SharedAllocatorReader`.
+    """
+    reader = _readers.get(model)
+    if reader is None:
+        reader = _readers[model] = SharedAllocatorReader(AllocatorProbe())
+    return reader
+
+
+def resolve_limits(probe, memory_limit=None):
+    """Returns the memory limit of each of the probe's devices.
+
+    Args:
+        probe: An `AllocatorProbe`.
+        memory_limit: A callback's own limit: bytes for every device, a dict
+            from TensorFlow device string to bytes, or `None`.
+
+    Returns:
+        A list of ints or `None`, in the order of `probe.devices`.
+    """
+    limits = []
+    for device in probe.devices:
+        limit = memory_limit
+        if isinstance(memory_limit, dict):
+            limit = memory_limit.get(device)
+        limits.append(limit if limit is not None else probe.limit_bytes(device))
+    return limits
