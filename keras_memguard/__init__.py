@@ -1,19 +1,41 @@
-"""keras_memguard: keep Keras training alive when GPU memory runs short."""
+"""keras_memguard: keep Keras training alive when GPU memory runs short.
 
-from keras_memguard.errors import MemGuardError
-from keras_memguard.errors import MemoryLimitUnknownError
-from keras_memguard.errors import MicroBatchTooLargeError
-from keras_memguard.errors import UnsupportedTrainingSetupError
-from keras_memguard.probes.base import AllocatorSample
-from keras_memguard.probes.base import NvmlSample
+Callbacks (`MemoryMonitor`, `MemoryGuard`) and a `train_step` mixin
+(`MemGuardMixin`) for Keras 3 on the TensorFlow backend.
+
+Public names are loaded on first use, so that `keras_memguard.testing` can
+set TensorFlow's environment before TensorFlow is imported.
+"""
+
+import importlib
 
 __version__ = "0.1.0.dev0"
 
-__all__ = [
-    "AllocatorSample",
-    "MemGuardError",
-    "MemoryLimitUnknownError",
-    "MicroBatchTooLargeError",
-    "NvmlSample",
-    "UnsupportedTrainingSetupError",
-]
+_EXPORTS = {
+    "AllocatorProbe": "keras_memguard.probes.tf_allocator",
+    "AllocatorSample": "keras_memguard.probes.base",
+    "MemGuardError": "keras_memguard.errors",
+    "MemGuardMixin": "keras_memguard.training.mixin",
+    "MemoryGuard": "keras_memguard.callbacks.guard",
+    "MemoryLimitUnknownError": "keras_memguard.errors",
+    "MemoryMonitor": "keras_memguard.callbacks.monitor",
+    "MicroBatchTooLargeError": "keras_memguard.errors",
+    "NvmlProbe": "keras_memguard.probes.nvml",
+    "NvmlSample": "keras_memguard.probes.base",
+    "UnsupportedTrainingSetupError": "keras_memguard.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'keras_memguard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

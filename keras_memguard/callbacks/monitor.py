@@ -124,16 +124,26 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._step += steps
         self._since_sample += steps
         self._open_interval = True
-        if self.update_freq == "epoch" or self._since_sample < self._every:
+        due = self.update_freq != "epoch" and self._since_sample >= self._every
+        # Close the interval at the epoch's last batch, before Keras sets up
+        # validation (which allocates, e.g. the validation set as tensors).
+        epoch_steps = (self.params or {}).get("steps")
+        last = epoch_steps is not None and batch + 1 >= epoch_steps
+        if not (due or last):
             return
-        self._since_sample = 0
-        self._sample(logs, key=(id(logs), batch), write=True)
+        if due:
+            self._since_sample = 0
+        self._sample(
+            logs if due else None,
+            key=(id(logs), batch),
+            write=due or self.update_freq == "epoch",
+        )
 
     def on_test_begin(self, logs=None):
-        # Close the training interval so that validation memory is not
-        # counted as a training batch's peak.
+        # Fallback when the epoch's length is unknown: close the training
+        # interval so that validation memory is not counted in it.
         if self._in_fit and self._open_interval:
-            self._sample(None, key=None, write=False)
+            self._sample(None, key=None, write=self.update_freq == "epoch")
 
     def on_test_end(self, logs=None):
         if self._in_fit:

@@ -27,10 +27,12 @@ class SharedAllocatorReader:
         self._last_key = None
         self._last_samples = ()
         # consumer -> highest peak per device since that consumer's last read.
-        self._pending = {}
+        # Weak: a consumer (a callback) holds the model, which must stay
+        # collectable.
+        self._pending = weakref.WeakKeyDictionary()
 
     def register(self, consumer):
-        """Starts tracking interval peaks for `consumer` (any hashable)."""
+        """Starts tracking interval peaks for `consumer` (weak-referenceable)."""
         self._pending.setdefault(consumer, None)
 
     def reset(self):
@@ -56,7 +58,7 @@ class SharedAllocatorReader:
             samples = self.probe.sample()
             self._last_key = key
             self._last_samples = samples
-            for other, peaks in self._pending.items():
+            for other, peaks in list(self._pending.items()):
                 if other is not consumer:
                     self._pending[other] = _max_peaks(peaks, samples)
         else:

@@ -1,0 +1,373 @@
+"""MemoryGuard: micro-batch before memory runs out, replay a batch that did."""
+
+import json
+import logging
+import os
+
+import keras
+
+from keras_memguard import policy
+from keras_memguard.callbacks.sampling import resolve_limits
+from keras_memguard.callbacks.sampling import shared_reader
+from keras_memguard.errors import MemoryLimitUnknownError
+from keras_memguard.errors import MicroBatchTooLargeError
+from keras_memguard.errors import UnsupportedTrainingSetupError
+from keras_memguard.probes.tf_allocator import AllocatorProbe
+from keras_memguard.sinks import tensorboard as tb
+from keras_memguard.training.mixin import MemGuardMixin
+from keras_memguard.training.replay import ReplayTrainFunction
+
+logger = logging.getLogger("keras_memguard")
+
+MODES = ("accumulate", "shrink")
+MICRO_BATCHES_LOG_KEY = "micro_batches"
+STATE_FILE = "memguard_state.json"
+_MIB = 1024 * 1024
+
+
+class MemoryGuard(keras.callbacks.Callback):
+    """Splits batches into micro-batches before device memory runs out.
+
+    After every training batch the guard reads the batch's allocator peak
+    (the highest memory in use during the batch) as a fraction of the device
+    memory limit. At or above `threshold` it doubles the number of
+    micro-batches `k` before the next batch; once the usage predicted at
+    `k / 2` has stayed below `release` for `cooldown` batches, it halves `k`
+    again. The input pipeline, the number of steps and the progress bar stay
+    as they are: each batch is split inside the train step.
+
+    In `"accumulate"` mode the gradients of the `k` micro-batches are summed,
+    weighted by each one's share of the samples, and applied once: the update
+    is the one the whole batch would give. In `"shrink"` mode every
+    micro-batch is its own update (a smaller effective batch).
+
+    A batch that still runs out of memory (`tf.errors.ResourceExhaustedError`)
+    is run again with twice the micro-batches, as often as needed: no sample
+    is skipped and nothing is applied twice. When a micro-batch of one sample
+    does not fit, `MicroBatchTooLargeError` is raised. Every other exception
+    passes through untouched.
+
+    Works on any compiled Keras model (TensorFlow backend): plain Sequential
+    and functional models need no change, and models that mix in
+    `MemGuardMixin` keep their own `train_step`. The model's class is never
+    changed, so `model.save` and `keras.models.load_model` work as usual.
+
+    Writes, per batch, the TensorBoard scalars `memguard/micro_batches`,
+    `memguard/micro_batch_size` and `memguard/oom_recoveries` to the run
+    `<log_dir>/memguard`, adds `micro_batches` to the batch and epoch `logs`,
+    and logs one INFO line through the `keras_memguard` logger per change.
+
+    `k` and the counters persist across epochs and `fit` calls. To resume them
+    with `keras.callbacks.BackupAndRestore`, give both the same directory.
+
+    Args:
+        threshold: Peak usage (peak / limit) at or above which `k` doubles,
+            in (0, 1]. Defaults to `0.9`.
+        release: Predicted usage below which `k` may halve, in (0, 1) and
+            below `threshold`. `None` means `threshold - 0.2` (half the
+            threshold for thresholds up to 0.4). Defaults to `None`.
+        mode: `"accumulate"` or `"shrink"`. Defaults to `"accumulate"`.
+        max_micro_batches: The largest `k` allowed, or `None` for no cap
+            other than the batch size. Defaults to `None`.
+        cooldown: Batches the predicted usage must stay below `release`, and
+            the least number of batches between two usage-driven changes,
+            before `k` halves. Defaults to `20`.
+        memory_limit: Device memory limit in bytes (an int for every device,
+            or a dict from TensorFlow device string to bytes). `None`
+            resolves it as `AllocatorProbe` documents. Defaults to `None`.
+        scale_learning_rate: In `"shrink"` mode, divide a float learning rate
+            by `k` while micro-batching (the linear scaling rule for the
+            smaller effective batch). Defaults to `False`.
+        log_dir: Directory for TensorBoard logs, or `None` for none.
+            Defaults to `None`.
+        backup_dir: Directory where the guard keeps its state (the
+            `backup_dir` of your `keras.callbacks.BackupAndRestore`), or
+            `None` to keep it in memory only. Defaults to `None`.
+
+    Raises:
+        ValueError: If an argument is out of range.
+
+    Example:
+
+    ```python
+    guard = keras_memguard.MemoryGuard(threshold=0.9, log_dir="logs")
+    model.fit(x, y, batch_size=256, epochs=10, callbacks=[guard])
+    print(guard.micro_batches, guard.oom_recoveries)
+    ```
+    """
+
+    def __init__(
+        self,
+        threshold=0.9,
+        release=None,
+        mode="accumulate",
+        max_micro_batches=None,
+        cooldown=20,
+        memory_limit=None,
+        scale_learning_rate=False,
+        log_dir=None,
+        backup_dir=None,
+    ):
+        super().__init__()
+        self.config = policy.make_config(
+            threshold=threshold,
+            release=release,
+            cooldown=cooldown,
+            max_micro_batches=max_micro_batches,
+        )
+        if mode not in MODES:
+            raise ValueError(
+                f"`mode` must be one of {MODES}. Received: mode={mode!r}"
+            )
+        if not isinstance(scale_learning_rate, bool):
+            raise ValueError(
+                "`scale_learning_rate` must be True or False. "
+                f"Received: scale_learning_rate={scale_learning_rate!r}"
+            )
+        self.mode = mode
+        if memory_limit is not None:
+            AllocatorProbe(memory_limit=memory_limit)  # validates it
+        self.memory_limit = memory_limit
+        self.scale_learning_rate = scale_learning_rate
+        self.log_dir = log_dir
+        self.backup_dir = backup_dir
+        self.state = policy.init_state()
+        self._writer = tb.writer_for(log_dir) if log_dir is not None else None
+        self._reader = None
+        self._function = None
+        self._previous_function = None
+        self._base_learning_rate = None
+        self._step = 0
+        self._last_batch = -1
+
+    @property
+    def micro_batches(self):
+        """The number of micro-batches each batch is split into now."""
+        return self.state.micro_batches
+
+    @property
+    def oom_recoveries(self):
+        """How many batches were replayed after an out-of-memory error."""
+        return self.state.oom_count
+
+    def set_model(self, model):
+        super().set_model(model)
+        self._reader = shared_reader(model)
+        self._reader.register(self)
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        self._check_model(model)
+        self._limits = self._resolve_limits()
+        self._load_state()
+        self._function = ReplayTrainFunction(
+            model,
+            micro_batches=self.state.micro_batches,
+            mode=self.mode,
+            on_out_of_memory=self._on_out_of_memory,
+        )
+        self._previous_function = model.train_function
+        model.train_function = self._function
+        self._apply(self.state.micro_batches)
+        self._reader.reset()
+
+    def on_train_end(self, logs=None):
+        if self._function is not None and self.model.train_function is self._function:
+            self.model.train_function = self._previous_function
+        self._function = None
+        self._restore_learning_rate()
+        if self._writer is not None:
+            self._writer.flush()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._last_batch = -1
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += batch - self._last_batch
+        self._last_batch = batch
+        samples = self._reader.read(self, (id(logs), batch))
+        usage = None
+        limit = None
+        for sample, device_limit in zip(samples, self._limits):
+            if sample.peak_bytes is None or not device_limit:
+                continue
+            device_usage = sample.peak_bytes / device_limit
+            if usage is None or device_usage > usage:
+                usage, limit = device_usage, device_limit
+        decision, self.state = policy.decide(self.config, self.state, usage)
+        if decision.changed:
+            self._announce(decision, limit)
+            self._apply(decision.micro_batches)
+            self._save_state()
+        if logs is not None:
+            logs[MICRO_BATCHES_LOG_KEY] = self.state.micro_batches
+        if self._writer is not None:
+            self._write_scalars()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs[MICRO_BATCHES_LOG_KEY] = self.state.micro_batches
+        self._save_state()
+
+    # The out-of-memory replay.
+
+    def _on_out_of_memory(self, batch_size, micro_batches, error):
+        """Chooses the micro-batch count to replay a batch with, or raises."""
+        samples = self._reader.read(self, None)
+        peak = max((s.peak_bytes or 0 for s in samples), default=0) or None
+        limit = max((l or 0 for l in self._limits), default=0) or None
+        if micro_batches >= batch_size:
+            raise MicroBatchTooLargeError(
+                _too_large_message(batch_size, micro_batches, peak, limit),
+                peak_bytes=peak,
+                limit_bytes=limit,
+            ) from error
+        decision, state = policy.on_out_of_memory(self.config, self.state)
+        if not decision.changed:
+            raise MicroBatchTooLargeError(
+                f"Out of memory at {micro_batches} micro-batches, the cap set by "
+                f"`max_micro_batches`; the batch of {batch_size} samples cannot "
+                "be split further. HINT: raise `max_micro_batches` or lower the "
+                "batch size.",
+                peak_bytes=peak,
+                limit_bytes=limit,
+            ) from error
+        self.state = state
+        new_k = min(decision.micro_batches, batch_size)
+        if new_k != decision.micro_batches:
+            self.state = self.state._replace(micro_batches=new_k)
+        logger.info(
+            "out of memory at %d micro-batch%s of a batch of %d: replaying it "
+            "with %d micro-batches (micro-batch %d)",
+            micro_batches,
+            "" if micro_batches == 1 else "es",
+            batch_size,
+            new_k,
+            -(-batch_size // new_k),
+        )
+        self._apply(new_k)
+        self._save_state()
+        return new_k
+
+    # Helpers.
+
+    def _check_model(self, model):
+        trains_with_default_step = (
+            type(model).train_step is keras.Model.train_step
+            or isinstance(model, MemGuardMixin)
+        )
+        if not trains_with_default_step:
+            raise UnsupportedTrainingSetupError(
+                f"MemoryGuard cannot micro-batch {type(model).__name__}: its own "
+                "`train_step` does not use keras_memguard's machinery. HINT: "
+                "mix `keras_memguard.MemGuardMixin` into the class "
+                f"(`class {type(model).__name__}(MemGuardMixin, ...)`) and build "
+                "the override on `self.accumulate_gradients(...)`."
+            )
+
+    def _resolve_limits(self):
+        probe = self._reader.probe
+        limits = resolve_limits(probe, self.memory_limit)
+        if not any(limits):
+            raise MemoryLimitUnknownError(
+                "MemoryGuard cannot tell how close training is to running out of "
+                f"memory: no memory limit is known for {', '.join(probe.devices)}. "
+                "HINT: pass `memory_limit=<bytes>` to MemoryGuard, configure a "
+                "logical device with a `memory_limit` "
+                "(tf.config.set_logical_device_configuration), or on the CPU set "
+                "TF_CPU_ALLOCATOR_USE_BFC=true and TF_CPU_BFC_MEM_LIMIT_IN_MB "
+                "before TensorFlow is imported."
+            )
+        return limits
+
+    def _apply(self, micro_batches):
+        """Makes the next batch run with `micro_batches` micro-batches."""
+        if self._function is not None:
+            self._function.micro_batches = micro_batches
+        if isinstance(self.model, MemGuardMixin):
+            self.model.micro_batches = micro_batches
+        if self.mode == "shrink" and self.scale_learning_rate:
+            self._scale_learning_rate(micro_batches)
+
+    def _scale_learning_rate(self, micro_batches):
+        learning_rate = self.model.optimizer.learning_rate
+        if not hasattr(self.model.optimizer._learning_rate, "assign"):
+            raise UnsupportedTrainingSetupError(
+                "`scale_learning_rate=True` needs a float learning rate; this "
+                "optimizer uses a schedule. HINT: scale the schedule yourself "
+                "or pass scale_learning_rate=False."
+            )
+        if self._base_learning_rate is None:
+            self._base_learning_rate = float(learning_rate)
+        self.model.optimizer.learning_rate.assign(self._base_learning_rate / micro_batches)
+
+    def _restore_learning_rate(self):
+        if self._base_learning_rate is not None:
+            self.model.optimizer.learning_rate.assign(self._base_learning_rate)
+            self._base_learning_rate = None
+
+    def _announce(self, decision, limit):
+        reason = decision.reason
+        if decision.action == "increase" and decision.usage is not None and limit:
+            reason = (
+                f"peak {decision.usage:.0%} of {limit / _MIB:.0f} MiB "
+                f">= {self.config.threshold:.0%}"
+            )
+        batch_size = self._function.last_batch_size if self._function else None
+        micro = ""
+        if batch_size:
+            micro = f" (micro-batch {-(-batch_size // decision.micro_batches)})"
+        logger.info(
+            "%s: micro-batches %d -> %d%s",
+            reason,
+            decision.previous_micro_batches,
+            decision.micro_batches,
+            micro,
+        )
+
+    def _write_scalars(self):
+        batch_size = self._function.last_batch_size if self._function else None
+        k = self.state.micro_batches
+        self._writer.write(
+            self._step,
+            (
+                (tb.MICRO_BATCHES, k),
+                (tb.MICRO_BATCH_SIZE, -(-batch_size // k) if batch_size else None),
+                (tb.OOM_RECOVERIES, self.state.oom_count),
+            ),
+        )
+
+    def _state_path(self):
+        return os.path.join(self.backup_dir, STATE_FILE)
+
+    def _save_state(self):
+        if self.backup_dir is None:
+            return
+        os.makedirs(self.backup_dir, exist_ok=True)
+        payload = {"policy": policy.state_to_dict(self.state), "step": self._step}
+        tmp = self._state_path() + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(payload, f)
+        os.replace(tmp, self._state_path())
+
+    def _load_state(self):
+        if self.backup_dir is None or not os.path.exists(self._state_path()):
+            return
+        with open(self._state_path()) as f:
+            payload = json.load(f)
+        self.state = policy.state_from_dict(payload["policy"])
+        self._step = payload.get("step", self._step)
+
+
+def _too_large_message(batch_size, micro_batches, peak, limit):
+    peak_text = f"{peak / _MIB:.1f} MiB" if peak else "unknown"
+    limit_text = f"{limit / _MIB:.1f} MiB" if limit else "unknown"
+    return (
+        f"A micro-batch of a single sample does not fit in device memory: the "
+        f"batch of {batch_size} samples ran out of memory even at "
+        f"{micro_batches} micro-batches. Measured peak before the failure: "
+        f"{peak_text}; memory limit: {limit_text}. HINT: use mixed precision "
+        "(keras.mixed_precision.set_global_policy('mixed_float16')), a smaller "
+        "model or input size, or a device with more memory (a larger memory "
+        "limit)."
+    )

@@ -1,0 +1,222 @@
+"""`MemGuardMixin`: a micro-batched `train_step` for Keras model classes."""
+
+import tensorflow as tf
+
+from keras_memguard.training.micro_batch import make_step_function
+from keras_memguard.training.micro_batch import micro_batch_train_step
+from keras_memguard.training.micro_batch import validate_micro_batches
+from keras_memguard.training.micro_batch import validate_mode
+
+
+def _set_private(model, name, value):
+    # Plain Python state: kept out of Keras and TensorFlow attribute tracking
+    # (and so out of checkpoints, SavedModel and `.keras` files).
+    object.__setattr__(model, name, value)
+
+
+def _iterator_function(model, step):
+    """Wraps a one-batch step into a `train_function(iterator)`.
+
+    The batch is pulled eagerly, then the compiled step runs on it; with
+    `steps_per_execution > 1`, up to that many batches run and the last
+    logs are returned, as Keras' own train function does.
+    """
+
+    def train_function(iterator):
+        logs = None
+        for _ in range(model.steps_per_execution):
+            try:
+                data = next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                break
+            logs = step(data)
+        if logs is None:
+            raise StopIteration
+        return logs
+
+    return train_function
+
+
+class MemGuardMixin:
+    """Mixin that micro-batches a Keras model's `train_step`.
+
+    Put it before `keras.Model` in the bases of your model class. Each
+    batch is split into `micro_batches` parts that run one after the other,
+    so a step needs about the activation memory of a batch `micro_batches`
+    times smaller. `micro_batch_mode` chooses what happens with their
+    gradients:
+
+    - `"accumulate"` (default): summed, weighted by each part's share of the
+      samples, and applied once: the same update as the whole batch
+      (gradient accumulation). A step that fails part-way with an
+      out-of-memory error changes no weights, optimizer variables or
+      metrics (BatchNormalization moving statistics excepted), so the batch
+      can be replayed with a larger `micro_batches`.
+    - `"shrink"`: one optimizer update per part: more, smaller updates
+      (the learning rate is left as it is). Not supported under a
+      `tf.distribute` strategy.
+
+    Both attributes may be changed between batches (for example by a
+    callback): the next batch uses them. One compiled step is kept per
+    `(micro_batches, mode)`, built with
+    `keras_memguard.training.micro_batch.make_step_function`; powers of two
+    keep their number small. The train function pulls each batch from the
+    iterator, then runs the compiled step on it (with `steps_per_execution
+    > 1`, that many batches in a Python loop). Models
+    with BatchNormalization layers normalize each micro-batch on its own, and
+    a warning says so once. The mixin adds no constructor arguments and
+    nothing to `get_config()`: saving and loading work as for the model
+    without it, and a loaded model starts again with `micro_batches=1`.
+
+    To micro-batch a custom `train_step`, call `accumulate_gradients` with
+    `self.micro_batches` and run the state updates under
+    `tf.control_dependencies(result.control_inputs())` (see the recipe in
+    `keras_memguard.training.micro_batch`):
+
+    ```python
+    class MyModel(MemGuardMixin, keras.Model):
+        def train_step(self, data):
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            result = accumulate_gradients(self, data, self.micro_batches)
+            with tf.control_dependencies(result.control_inputs()):
+                self._loss_tracker.update_state(
+                    result.loss, sample_weight=result.batch_size
+                )
+                self.optimizer.apply(result.gradients, self.trainable_weights)
+                return self.compute_metrics(
+                    x, y, result.y_pred, sample_weight=sample_weight
+                )
+    ```
+
+    Attributes:
+        micro_batches: The number of micro-batches per batch, an `int` >= 1.
+            Defaults to `1` (plain training).
+        micro_batch_mode: `"accumulate"` or `"shrink"`. Defaults to
+            `"accumulate"`.
+
+    Example:
+
+    ```python
+    class MyModel(MemGuardMixin, keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(10)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = MyModel()
+    model.compile(optimizer="adam", loss="mse")
+    model.micro_batches = 4
+    model.fit(x, y, batch_size=256)
+    ```
+    """
+
+    # Class-level defaults: the mixin needs no `__init__`, which keeps
+    # `from_config` and Keras' functional-class injection untouched.
+    _memguard_micro_batches = 1
+    _memguard_micro_batch_mode = "accumulate"
+    # `(k, mode)` while the compiled step for `k` runs `train_step`
+    # (tracing), so that a retrace reads the `k` of its own function.
+    _memguard_pinned = None
+
+    @property
+    def micro_batches(self):
+        """The number of micro-batches per batch, an `int` >= 1."""
+        if self._memguard_pinned is not None:
+            return self._memguard_pinned[0]
+        return self._memguard_micro_batches
+
+    @micro_batches.setter
+    def micro_batches(self, value):
+        value = validate_micro_batches(value)
+        _set_private(self, "_memguard_micro_batches", value)
+        self._memguard_use_current_step()
+
+    @property
+    def micro_batch_mode(self):
+        """`"accumulate"` (one update per batch) or `"shrink"` (one a part)."""
+        if self._memguard_pinned is not None:
+            return self._memguard_pinned[1]
+        return self._memguard_micro_batch_mode
+
+    @micro_batch_mode.setter
+    def micro_batch_mode(self, value):
+        value = validate_mode(value)
+        _set_private(self, "_memguard_micro_batch_mode", value)
+        self._memguard_use_current_step()
+
+    def train_step(self, data):
+        """Runs one micro-batched training step (see `micro_batch_train_step`).
+
+        Args:
+            data: The batch.
+
+        Returns:
+            The logs `dict` of the built-in `train_step`.
+        """
+        return micro_batch_train_step(
+            self, data, self.micro_batches, self.micro_batch_mode
+        )
+
+    def make_train_function(self, force=False):
+        """Sets `train_function` to the compiled step of the current `k`.
+
+        `compile()` resets `train_function` to `None`; the steps compiled
+        before then hold the old optimizer and metrics and are dropped.
+
+        Args:
+            force: Whether to rebuild even if a train function exists.
+                Defaults to `False`.
+
+        Returns:
+            The train function.
+        """
+        if self.train_function is not None and not force:
+            return self.train_function
+        _set_private(self, "_memguard_train_functions", {})
+        self.train_function = self._memguard_train_function(
+            self.micro_batches, self.micro_batch_mode
+        )
+        return self.train_function
+
+    def _memguard_train_step_for(self, micro_batches, mode):
+        """Returns `train_step` with `micro_batches` and mode pinned.
+
+        Used by `make_step_function`, so a `train_step` override that reads
+        `self.micro_batches` gets the `k` of the function being traced.
+        """
+
+        def train_step(data):
+            previous = self._memguard_pinned
+            _set_private(self, "_memguard_pinned", (micro_batches, mode))
+            try:
+                return self.train_step(data)
+            finally:
+                _set_private(self, "_memguard_pinned", previous)
+
+        return train_step
+
+    def _memguard_train_function(self, micro_batches, mode):
+        cache = self.__dict__.get("_memguard_train_functions")
+        if cache is None:
+            cache = {}
+            _set_private(self, "_memguard_train_functions", cache)
+        key = (micro_batches, mode)
+        if key not in cache:
+            # Cheap: tracing happens on the first call.
+            cache[key] = _iterator_function(
+                self, make_step_function(self, micro_batches, mode)
+            )
+        return cache[key]
+
+    def _memguard_use_current_step(self):
+        # Swap only our own train functions: one installed by someone else
+        # (the out-of-memory replay) reads `micro_batches` itself.
+        current = getattr(self, "train_function", None)
+        cache = self.__dict__.get("_memguard_train_functions") or {}
+        if current is None or not any(current is f for f in cache.values()):
+            return
+        self.train_function = self._memguard_train_function(
+            self.micro_batches, self.micro_batch_mode
+        )

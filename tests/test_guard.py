@@ -1,0 +1,428 @@
+"""MemoryGuard: decisions from real per-batch peaks, OOM replay, state."""
+
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+
+import keras
+import tensorflow as tf
+
+import keras_memguard
+from keras_memguard.callbacks.sampling import shared_reader
+from keras_memguard.testing import run_with_memory_cap
+from keras_memguard.training.replay import ReplayTrainFunction
+from tensorboard.backend.event_processing import event_accumulator
+
+MIB = 1024 * 1024
+
+
+class SampleCount(keras.metrics.Metric):
+    """Counts the samples a metric update sees: none lost, none twice."""
+
+    def __init__(self, name="samples", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.count.assign_add(tf.cast(tf.shape(y_true)[0], "float32"))
+
+    def result(self):
+        return self.count
+
+
+def make_mlp(seed=0):
+    """A small CNN whose activations, not its weights, dominate its peak."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((24, 24, 3)),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(optimizer="adam", loss="mse", metrics=[SampleCount()])
+    return model
+
+
+def make_data(n=200, seed=1):
+    rng = np.random.default_rng(seed)
+    return (
+        rng.normal(size=(n, 24, 24, 3)).astype("float32"),
+        rng.normal(size=(n, 1)).astype("float32"),
+    )
+
+
+def first_batch_peak(model, x, y, batch_size):
+    """The steady allocator peak of a guarded batch at one micro-batch."""
+    monitor = keras_memguard.MemoryMonitor()
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40)
+    history = model.fit(
+        x[: 2 * batch_size], y[: 2 * batch_size], batch_size=batch_size,
+        epochs=2, verbose=0, callbacks=[monitor, guard],
+    )
+    return int(history.history["memory_peak_mib"][-1] * MIB)
+
+
+# --- Out-of-memory replay under a real cap (one subprocess, three OOMs). ---
+
+CAPPED_RUN = """
+import logging
+import numpy as np
+import keras
+import tensorflow as tf
+import keras_memguard
+from keras_memguard.testing import emit_result
+
+class SampleCount(keras.metrics.Metric):
+    def __init__(self, name="samples", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.count.assign_add(tf.cast(tf.shape(y_true)[0], "float32"))
+    def result(self):
+        return self.count
+
+def make_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((64, 64, 3)),
+        keras.layers.Conv2D(64, 3, activation="relu"),
+        keras.layers.Conv2D(64, 3, activation="relu"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(10),
+    ])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=[SampleCount()])
+    return model
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(320, 64, 64, 3)).astype("float32")
+y = rng.integers(0, 10, size=(320,))
+out = {}
+
+try:
+    make_model().fit(x, y, batch_size=256, epochs=1, shuffle=False, verbose=0)
+    out["plain"] = "completed"
+except tf.errors.ResourceExhaustedError:
+    out["plain"] = "oom"
+
+messages = []
+class Collect(logging.Handler):
+    def emit(self, record):
+        messages.append(record.getMessage())
+logging.getLogger("keras_memguard").addHandler(Collect())
+logging.getLogger("keras_memguard").setLevel(logging.INFO)
+
+model = make_model()
+guard = keras_memguard.MemoryGuard(threshold=0.9)
+history = model.fit(x, y, batch_size=256, epochs=2, shuffle=False, verbose=0,
+                    callbacks=[guard])
+out["samples"] = history.history["samples"]
+out["micro_batches"] = guard.micro_batches
+out["oom_recoveries"] = guard.oom_recoveries
+out["messages"] = messages
+out["weights"] = [w.tolist() for w in model.get_weights()[-2:]]
+out["iterations"] = int(model.optimizer.iterations.numpy())
+
+big = keras.Sequential([keras.Input((512, 512, 3)), keras.layers.Conv2D(512, 3),
+                        keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(1)])
+big.compile("sgd", "mse")
+try:
+    big.fit(np.zeros((1, 512, 512, 3), "float32"), np.zeros((1, 1), "float32"),
+            batch_size=1, verbose=0, callbacks=[keras_memguard.MemoryGuard()])
+    out["too_large"] = None
+except keras_memguard.MicroBatchTooLargeError as error:
+    out["too_large"] = [str(error), error.limit_bytes, error.peak_bytes]
+emit_result(out)
+"""
+
+
+@pytest.fixture(scope="module")
+def capped_run():
+    return run_with_memory_cap(CAPPED_RUN, memory_limit_mib=600, timeout=400).result
+
+
+def test_plain_fit_runs_out_of_memory_under_the_cap(capped_run):
+    assert capped_run["plain"] == "oom"
+
+
+def test_guarded_fit_completes_every_epoch_without_losing_a_sample(capped_run):
+    assert capped_run["samples"] == [320.0, 320.0]
+    assert capped_run["oom_recoveries"] >= 1
+    assert capped_run["micro_batches"] >= 2
+    # One optimizer update per batch: the failed attempt applied nothing.
+    assert capped_run["iterations"] == 2 * 2
+
+
+def test_replay_is_logged_with_what_changed(capped_run):
+    assert any(
+        message.startswith("out of memory at 1 micro-batch of a batch of 256: "
+                           "replaying it with 2 micro-batches (micro-batch 128)")
+        for message in capped_run["messages"]
+    ), capped_run["messages"]
+
+
+def test_replayed_training_matches_unconstrained_training(capped_run):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((64, 64, 3)),
+            keras.layers.Conv2D(64, 3, activation="relu"),
+            keras.layers.Conv2D(64, 3, activation="relu"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(10),
+        ]
+    )
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(320, 64, 64, 3)).astype("float32")
+    y = rng.integers(0, 10, size=(320,))
+    model.fit(x, y, batch_size=256, epochs=2, shuffle=False, verbose=0)
+    for expected, got in zip(model.get_weights()[-2:], capped_run["weights"]):
+        np.testing.assert_allclose(np.array(got), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_single_sample_that_does_not_fit_raises_a_clear_error(capped_run):
+    message, limit, peak = capped_run["too_large"]
+    assert limit == 600 * MIB
+    assert "single sample" in message
+    assert "600.0 MiB" in message
+    assert "mixed precision" in message
+    assert peak is None or f"{peak / MIB:.1f} MiB" in message
+
+
+# --- Decisions from measured peaks (in process, no OOM). ---
+
+
+def test_guard_doubles_micro_batches_when_the_peak_reaches_the_threshold(caplog, tmp_path):
+    x, y = make_data()
+    model = make_mlp()
+    peak = first_batch_peak(model, x, y, batch_size=50)
+    # A limit that puts the measured k=1 peak at ~95%, far above 2x headroom.
+    guard = keras_memguard.MemoryGuard(
+        threshold=0.9, memory_limit=int(peak / 0.95), log_dir=str(tmp_path)
+    )
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(logs["micro_batches"])
+    )
+    with caplog.at_level(logging.INFO, logger="keras_memguard"):
+        model.fit(x, y, batch_size=50, epochs=1, verbose=0, callbacks=[guard, record])
+    assert seen[0] == 2
+    assert guard.micro_batches >= 2
+    lines = [r.getMessage() for r in caplog.records if "micro-batches 1 -> 2" in r.getMessage()]
+    assert lines and lines[0].startswith("peak 9")
+    assert "MiB >= 90%: micro-batches 1 -> 2 (micro-batch 25)" in lines[0]
+
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "memguard"))
+    acc.Reload()
+    k_points = acc.Scalars("memguard/micro_batches")
+    assert [p.step for p in k_points] == [1, 2, 3, 4]
+    assert k_points[0].value == 2
+    assert acc.Scalars("memguard/micro_batch_size")[0].value == 25
+    assert [p.value for p in acc.Scalars("memguard/oom_recoveries")] == [0, 0, 0, 0]
+
+
+def test_guard_keeps_one_micro_batch_when_memory_is_plentiful():
+    x, y = make_data()
+    model = make_mlp()
+    guard = keras_memguard.MemoryGuard(threshold=0.9, memory_limit=1 << 40)
+    history = model.fit(x, y, batch_size=50, epochs=2, verbose=0, callbacks=[guard])
+    assert history.history["micro_batches"] == [1, 1]
+    assert history.history["samples"] == [200.0, 200.0]
+
+
+def test_state_persists_across_fits_and_train_function_is_restored():
+    x, y = make_data()
+    model = make_mlp()
+    peak = first_batch_peak(model, x, y, batch_size=50)
+    guard = keras_memguard.MemoryGuard(memory_limit=int(peak / 0.95), cooldown=1000)
+    model.fit(x, y, batch_size=50, epochs=1, verbose=0, callbacks=[guard])
+    k = guard.micro_batches
+    assert k >= 2
+    # After fit the model trains as before, without the guard's function.
+    assert not isinstance(model.train_function, ReplayTrainFunction)
+    history = model.fit(x, y, batch_size=50, epochs=1, verbose=0, callbacks=[guard])
+    assert history.history["micro_batches"][0] >= k
+    history = model.fit(x, y, batch_size=50, epochs=1, verbose=0)
+    assert "micro_batches" not in history.history
+    assert history.history["samples"] == [200.0]
+
+
+def test_monitor_and_guard_share_one_allocator_read_per_batch():
+    x, y = make_data()
+    model = make_mlp()
+    reader = shared_reader(model)
+    calls = []
+    original = reader.probe.sample
+
+    def counting_sample():
+        calls.append(1)
+        return original()
+
+    reader.probe.sample = counting_sample
+    model.fit(
+        x, y, batch_size=50, epochs=2, verbose=0,
+        callbacks=[keras_memguard.MemoryMonitor(), keras_memguard.MemoryGuard(memory_limit=1 << 40)],
+    )
+    assert len(calls) == 2 * 4
+
+
+def test_other_errors_pass_through_untouched():
+    model = make_mlp()
+    boom = RuntimeError("not a memory problem")
+
+    def fail(batch, logs):
+        raise boom
+
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40)
+    x, y = make_data()
+    with pytest.raises(RuntimeError) as info:
+        model.fit(x, y, batch_size=50, verbose=0,
+                  callbacks=[guard, keras.callbacks.LambdaCallback(on_train_batch_end=fail)])
+    assert info.value is boom
+    bad_x, bad_y = np.zeros((10, 3), "float32"), np.zeros((10, 1), "float32")
+    with pytest.raises(Exception) as plain:
+        make_mlp().fit(bad_x, bad_y, verbose=0)
+    with pytest.raises(type(plain.value)):
+        model.fit(bad_x, bad_y, verbose=0,
+                  callbacks=[keras_memguard.MemoryGuard(memory_limit=1 << 40)])
+
+
+def test_save_and_load_after_guarded_training_give_the_original_class(tmp_path):
+    x, y = make_data()
+    model = make_mlp()
+    peak = first_batch_peak(model, x, y, batch_size=50)
+    guard = keras_memguard.MemoryGuard(memory_limit=int(peak / 0.95))
+    model.fit(x, y, batch_size=50, epochs=1, verbose=0, callbacks=[guard])
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path, custom_objects={"SampleCount": SampleCount})
+    assert type(loaded) is keras.Sequential
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+def test_backup_and_restore_resumes_micro_batches_and_counters(tmp_path):
+    x, y = make_data()
+    model = make_mlp()
+    peak = first_batch_peak(model, x, y, batch_size=50)
+    backup = str(tmp_path / "backup")
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                raise KeyboardInterrupt
+
+    guard = keras_memguard.MemoryGuard(memory_limit=int(peak / 0.95), cooldown=1000, backup_dir=backup)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=50, epochs=3, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(backup), guard, Interrupt()])
+    k = guard.micro_batches
+    assert k >= 2
+    assert os.path.exists(os.path.join(backup, "memguard_state.json"))
+
+    resumed = keras_memguard.MemoryGuard(memory_limit=int(peak / 0.95), cooldown=1000, backup_dir=backup)
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: seen.append(resumed.micro_batches)
+    )
+    history = model.fit(x, y, batch_size=50, epochs=3, verbose=0,
+                        callbacks=[keras.callbacks.BackupAndRestore(backup), resumed, record])
+    assert seen[0] == k
+    assert len(history.history["loss"]) == 2  # resumed at epoch 1
+
+
+def test_mixin_model_follows_the_guard():
+    class Net(keras_memguard.MemGuardMixin, keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.conv = keras.layers.Conv2D(16, 3, activation="relu")
+            self.pool = keras.layers.GlobalAveragePooling2D()
+            self.out = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.out(self.pool(self.conv(x)))
+
+    keras.utils.set_random_seed(0)
+    model = Net()
+    model.compile(optimizer="adam", loss="mse", metrics=[SampleCount()])
+    x, y = make_data()
+    model(x[:1])
+    peak = first_batch_peak(model, x, y, batch_size=50)
+    guard = keras_memguard.MemoryGuard(memory_limit=int(peak / 0.95), cooldown=1000)
+    history = model.fit(x, y, batch_size=50, epochs=1, verbose=0, callbacks=[guard])
+    assert model.micro_batches == guard.micro_batches >= 2
+    assert history.history["samples"] == [200.0]
+
+
+def test_shrink_mode_scales_a_float_learning_rate_and_restores_it():
+    x, y = make_data()
+    model = make_mlp()
+    model.optimizer.learning_rate.assign(0.01)
+    peak = first_batch_peak(model, x, y, batch_size=50)
+    rates = []
+    guard = keras_memguard.MemoryGuard(
+        memory_limit=int(peak / 0.95), mode="shrink", scale_learning_rate=True, cooldown=1000
+    )
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: rates.append(
+            (guard.micro_batches, float(model.optimizer.learning_rate.numpy()))
+        )
+    )
+    iterations = int(model.optimizer.iterations.numpy())
+    model.fit(x, y, batch_size=50, epochs=1, verbose=0, callbacks=[guard, record])
+    k, rate = rates[1]
+    assert k >= 2 and rate == pytest.approx(0.01 / k)
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.01)
+    # Shrink mode: one update per micro-batch.
+    assert int(model.optimizer.iterations.numpy()) - iterations > 4
+
+
+# --- Refusals and bad input. ---
+
+
+def test_guard_refuses_a_model_whose_own_train_step_ignores_the_mixin():
+    class Custom(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    inputs = keras.Input((16,))
+    model = Custom(inputs, keras.layers.Dense(1)(inputs))
+    model.compile("sgd", "mse")
+    x, y = make_data()
+    with pytest.raises(keras_memguard.UnsupportedTrainingSetupError, match="MemGuardMixin"):
+        model.fit(x, y, verbose=0, callbacks=[keras_memguard.MemoryGuard()])
+
+
+def test_guard_refuses_to_start_without_a_memory_limit(monkeypatch):
+    monkeypatch.delenv("TF_CPU_BFC_MEM_LIMIT_IN_MB")
+    monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC")
+    model = make_mlp()
+    x, y = make_data()
+    with pytest.warns(UserWarning):
+        with pytest.raises(keras_memguard.MemoryLimitUnknownError, match="memory_limit"):
+            model.fit(x, y, verbose=0, callbacks=[keras_memguard.MemoryGuard()])
+    # Nothing the user trained is lost: the model still trains normally.
+    model.fit(x, y, verbose=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"threshold": 1.5}, "threshold=1.5"),
+        ({"threshold": 0}, "threshold=0"),
+        ({"threshold": 0.8, "release": 0.9}, "release=0.9"),
+        ({"max_micro_batches": 0}, "max_micro_batches=0"),
+        ({"mode": "halve"}, "mode='halve'"),
+        ({"cooldown": -1}, "cooldown=-1"),
+        ({"memory_limit": -5}, "memory_limit=-5"),
+        ({"scale_learning_rate": "yes"}, "scale_learning_rate='yes'"),
+    ],
+)
+def test_bad_arguments_are_refused_with_the_value(kwargs, message):
+    with pytest.raises(ValueError, match="Received: .*" + message.replace("(", r"\(")):
+        keras_memguard.MemoryGuard(**kwargs)

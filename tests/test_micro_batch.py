@@ -1,0 +1,454 @@
+"""Tests of the graph-side micro-batching and `MemGuardMixin`.
+
+Real TensorFlow, real `fit`, tiny models. The reference for every
+equivalence test is Keras' own built-in `train_step` on the whole batch.
+"""
+
+import contextlib
+import re
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+
+import keras
+import tensorflow as tf
+
+from keras_memguard.testing import run_with_memory_cap
+from keras_memguard.training.micro_batch import accumulate_gradients
+from keras_memguard.training.micro_batch import has_batch_statistics_layers
+from keras_memguard.training.micro_batch import make_step_function
+from keras_memguard.training.micro_batch import split_micro_batches
+from keras_memguard.training.mixin import MemGuardMixin
+
+# 203 samples in batches of 50: 4 full batches (50 is divisible by none of
+# 3, 4 and 8) and a last batch of 3, smaller than k = 4 and k = 8.
+NUM_SAMPLES = 203
+BATCH_SIZE = 50
+EPOCHS = 2
+STEPS = EPOCHS * 5
+ATOL = 1e-5
+
+_rng = np.random.default_rng(0)
+X = _rng.normal(size=(NUM_SAMPLES, 8)).astype("float32")
+TOKENS = _rng.integers(0, 50, size=(NUM_SAMPLES, 5)).astype("int32")
+Y = _rng.integers(0, 3, size=(NUM_SAMPLES,)).astype("int32")
+SAMPLE_WEIGHT = _rng.uniform(0.1, 2.0, size=(NUM_SAMPLES,)).astype("float32")
+CLASS_WEIGHT = {0: 1.0, 1: 3.0, 2: 0.5}
+
+
+class GuardedSequential(MemGuardMixin, keras.Sequential):
+    pass
+
+
+class GuardedModel(MemGuardMixin, keras.Model):
+    pass
+
+
+TRACED_MICRO_BATCHES = []
+
+
+class RecipeModel(MemGuardMixin, keras.Sequential):
+    """The docstring recipe: a custom `train_step` on `accumulate_gradients`."""
+
+    def train_step(self, data):
+        TRACED_MICRO_BATCHES.append(self.micro_batches)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        result = accumulate_gradients(self, data, self.micro_batches)
+        with tf.control_dependencies(result.control_inputs()):
+            self._loss_tracker.update_state(
+                result.loss, sample_weight=result.batch_size
+            )
+            self.optimizer.apply(result.gradients, self.trainable_weights)
+            return self.compute_metrics(
+                x, y, result.y_pred, sample_weight=sample_weight
+            )
+
+
+def build_mlp(cls=keras.Sequential, optimizer=None, jit_compile=False):
+    keras.utils.set_random_seed(0)
+    model = cls(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(
+                16,
+                activation="relu",
+                kernel_regularizer=keras.regularizers.L2(1e-2),
+            ),
+            # float32 outputs, as Keras advises under mixed precision.
+            keras.layers.Dense(3, activation="softmax", dtype="float32"),
+        ]
+    )
+    model.compile(
+        optimizer=optimizer or keras.optimizers.Adam(1e-2),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy("w_acc")],
+        jit_compile=jit_compile,
+    )
+    return model
+
+
+def build_two_input_model(cls=keras.Model):
+    keras.utils.set_random_seed(0)
+    dense_in = keras.Input((8,), name="dense")
+    token_in = keras.Input((5,), name="tokens", dtype="int32")
+    # Embedding gradients are IndexedSlices: the sparse accumulation path.
+    embedded = keras.layers.Flatten()(keras.layers.Embedding(50, 4)(token_in))
+    hidden = keras.layers.Dense(16, activation="relu")(
+        keras.layers.Concatenate()([dense_in, embedded])
+    )
+    outputs = keras.layers.Dense(3, activation="softmax")(hidden)
+    model = cls({"dense": dense_in, "tokens": token_in}, outputs)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def fit(model, micro_batches=None, x=X, **kwargs):
+    if micro_batches is not None:
+        model.micro_batches = micro_batches
+    history = model.fit(
+        x,
+        Y,
+        batch_size=BATCH_SIZE,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        **kwargs,
+    )
+    return model.get_weights(), history.history
+
+
+def assert_same_training(result, reference, atol=ATOL):
+    weights, history = result
+    ref_weights, ref_history = reference
+    assert len(weights) == len(ref_weights)
+    for got, want in zip(weights, ref_weights):
+        np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+    assert history.keys() == ref_history.keys()
+    for key in ref_history:
+        np.testing.assert_allclose(
+            history[key], ref_history[key], rtol=0, atol=atol, err_msg=key
+        )
+
+
+@contextlib.contextmanager
+def global_policy(name):
+    keras.mixed_precision.set_global_policy(name)
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.fixture(scope="module")
+def weighted_reference():
+    return fit(build_mlp(), sample_weight=SAMPLE_WEIGHT)
+
+
+@pytest.fixture(scope="module")
+def two_input_reference():
+    return fit(build_two_input_model(), x={"dense": X, "tokens": TOKENS})
+
+
+def test_split_micro_batches_sizes_and_structure():
+    x = {"a": tf.reshape(tf.range(20.0), (10, 2)), "b": tf.range(10)}
+    parts = split_micro_batches((x, tf.range(10) * 10), 4)
+    assert [int(p.size) for p in parts] == [3, 3, 2, 2]
+    np.testing.assert_allclose(
+        sum(float(p.fraction) for p in parts), 1.0, rtol=1e-6
+    )
+    np.testing.assert_array_equal(
+        tf.concat([p.x["a"] for p in parts], 0), x["a"]
+    )
+    np.testing.assert_array_equal(parts[2].y, [60, 70])
+    assert all(p.sample_weight is None for p in parts)
+
+
+def test_split_micro_batches_dynamic_batch_smaller_than_k():
+    @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.float32)])
+    def sizes(x):
+        return tf.stack([p.size for p in split_micro_batches(x, 5)])
+
+    np.testing.assert_array_equal(sizes(tf.zeros([3, 2])), [1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(sizes(tf.zeros([12, 2])), [3, 3, 2, 2, 2])
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2, 3, 4, 8])
+def test_accumulate_matches_full_batch(micro_batches, weighted_reference):
+    # Sample weights, weighted metrics, L2 regularization counted once, a
+    # batch not divisible by k and a last batch smaller than k.
+    model = build_mlp(GuardedSequential)
+    result = fit(model, micro_batches, sample_weight=SAMPLE_WEIGHT)
+    assert_same_training(result, weighted_reference)
+    assert int(model.optimizer.iterations) == STEPS
+
+
+def test_accumulate_matches_full_batch_with_class_weight():
+    reference = fit(build_mlp(), class_weight=CLASS_WEIGHT)
+    result = fit(build_mlp(GuardedSequential), 4, class_weight=CLASS_WEIGHT)
+    assert_same_training(result, reference)
+
+
+@pytest.mark.parametrize("micro_batches", [3, 8])
+def test_accumulate_matches_full_batch_with_dict_inputs(
+    micro_batches, two_input_reference
+):
+    model = build_two_input_model(GuardedModel)
+    result = fit(model, micro_batches, x={"dense": X, "tokens": TOKENS})
+    assert_same_training(result, two_input_reference)
+
+
+def test_accumulate_matches_full_batch_under_xla():
+    reference = fit(build_mlp(jit_compile=True), sample_weight=SAMPLE_WEIGHT)
+    model = build_mlp(GuardedSequential, jit_compile=True)
+    result = fit(model, 4, sample_weight=SAMPLE_WEIGHT)
+    assert_same_training(result, reference)
+
+
+def test_accumulate_matches_full_batch_run_eagerly(weighted_reference):
+    model = build_mlp(GuardedSequential)
+    model.run_eagerly = True
+    result = fit(model, 3, sample_weight=SAMPLE_WEIGHT)
+    assert_same_training(result, weighted_reference)
+
+
+def test_accumulate_matches_full_batch_under_mixed_precision():
+    # float16 rounds each micro-batch's matmuls (and their float16 sums
+    # over the samples) differently from the whole batch's: gradients differ
+    # by about float16's epsilon (1e-3) relative. SGD, not Adam, whose
+    # normalization blows such differences up for near-zero gradients.
+    # Measured: 2.2e-5 after 10 steps (weights up to 0.56); weighting the
+    # micro-batches equally instead of by n_i / n gives 1.3e-3.
+    with global_policy("mixed_float16"):
+        reference_model = build_mlp(optimizer=keras.optimizers.SGD(0.1))
+        reference = fit(reference_model)
+        model = build_mlp(GuardedSequential, keras.optimizers.SGD(0.1))
+        result = fit(model, 4)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert_same_training(result, reference, atol=2e-4)
+    assert float(model.optimizer.dynamic_scale) == float(
+        reference_model.optimizer.dynamic_scale
+    )
+    assert int(model.optimizer.iterations) == STEPS
+
+
+def test_shrink_makes_one_update_per_micro_batch():
+    model = build_mlp(GuardedSequential)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss="sparse_categorical_crossentropy",
+        steps_per_execution=3,
+    )
+    model.micro_batch_mode = "shrink"
+    _, history = fit(model, 4)
+    # Per epoch: 4 batches of 50 in 4 parts, the last batch of 3 in 3.
+    assert int(model.optimizer.iterations) == EPOCHS * (4 * 4 + 3)
+    assert np.all(np.isfinite(history["loss"]))
+
+
+def test_changing_micro_batches_between_batches(weighted_reference):
+    class SwitchAfterFirstBatch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                self.model.micro_batches = 4
+
+    TRACED_MICRO_BATCHES.clear()
+    model = build_mlp(RecipeModel)
+    result = fit(
+        model,
+        sample_weight=SAMPLE_WEIGHT,
+        callbacks=[SwitchAfterFirstBatch()],
+    )
+    # One trace per k, each reading its own k; the user's train_step ran.
+    assert TRACED_MICRO_BATCHES[0] == 1
+    assert set(TRACED_MICRO_BATCHES) == {1, 4}
+    assert model.micro_batches == 4
+    assert_same_training(result, weighted_reference)
+
+
+def test_peak_memory_of_micro_batches_matches_smaller_batch():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((48, 48, 3)),
+            keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+            keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(10),
+        ]
+    )
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    x = tf.random.normal((128, 48, 48, 3))
+    y = tf.random.uniform((128,), 0, 10, tf.int32)
+
+    def step_peak(micro_batches, batch_size):
+        step = make_step_function(model, micro_batches)
+        data = (x[:batch_size], y[:batch_size])
+        step(data)  # Trace first: measure a steady-state step.
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        logs = step(data)
+        assert np.isfinite(float(logs["loss"]))
+        return tf.config.experimental.get_memory_info("CPU:0")["peak"]
+
+    small_batch = step_peak(1, 32)
+    micro_batched = step_peak(4, 128)
+    full_batch = step_peak(1, 128)
+    # Measured: about 81, 81 and 189 MiB.
+    assert micro_batched <= 1.15 * small_batch, (micro_batched, small_batch)
+    assert full_batch >= 1.5 * micro_batched, (full_batch, micro_batched)
+
+
+def test_failed_step_leaves_no_trace():
+    # Micro-batch 0 is light; micro-batch 1 allocates ~2.6 GB under a 512
+    # MiB cap: a real out-of-memory error inside the micro-batch loop,
+    # after micro-batch 0's gradients exist.
+    code = textwrap.dedent(
+        """
+        import numpy as np
+        import keras
+        import tensorflow as tf
+        from keras_memguard.testing import emit_result
+        from keras_memguard.training.micro_batch import make_step_function
+
+        class Hog(keras.layers.Layer):
+            # Allocates in proportion to max(x[:, 0]); passes x on.
+            def call(self, x):
+                reps = tf.cast(tf.reduce_max(x[:, 0]), tf.int32)
+                big = tf.tile(x, [reps, 1])
+                return x + 0.0 * tf.reduce_mean(tf.sin(big))
+
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((1024,)), Hog(),
+            keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1),
+        ])
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+        step = make_step_function(model, 2)
+        x = np.ones((64, 1024), "float32")
+        y = np.ones((64, 1), "float32")
+        step((x, y))  # Builds the optimizer and metrics, traces.
+        state = model.weights + model.optimizer.variables
+        state += model.metrics_variables
+        before = [v.numpy().copy() for v in state]
+        heavy = x.copy()
+        heavy[32:, 0] = 20000.0
+        try:
+            step((heavy, y))
+            oom = False
+        except tf.errors.ResourceExhaustedError:
+            oom = True
+        changed = [
+            v.path for v, old in zip(state, before)
+            if not np.array_equal(v.numpy(), old)
+        ]
+        iterations = int(model.optimizer.iterations)
+        step((x, y))  # The same step still works afterwards.
+        emit_result({
+            "oom": oom,
+            "changed": changed,
+            "iterations": [iterations, int(model.optimizer.iterations)],
+        })
+        """
+    )
+    run = run_with_memory_cap(code, memory_limit_mib=512, timeout=180)
+    assert run.result["oom"], run.stderr[-2000:]
+    assert run.result["changed"] == []
+    assert run.result["iterations"] == [1, 2]
+
+
+def test_batch_statistics_warning_once():
+    def build(cls):
+        keras.utils.set_random_seed(0)
+        return cls(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(4),
+                keras.layers.BatchNormalization(),
+                keras.layers.Dense(3, activation="softmax"),
+            ]
+        )
+
+    assert not has_batch_statistics_layers(build_mlp())
+    frozen = build(keras.Sequential)
+    frozen.layers[1].trainable = False
+    assert not has_batch_statistics_layers(frozen)
+
+    model = build(GuardedSequential)
+    assert has_batch_statistics_layers(model)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(X[:60], Y[:60], batch_size=30, verbose=0)  # k = 1
+        model.micro_batches = 2
+        model.fit(X[:60], Y[:60], batch_size=30, verbose=0)
+        model.micro_batches = 4
+        model.fit(X[:60], Y[:60], batch_size=30, verbose=0)
+    messages = [
+        str(w.message) for w in caught if "BatchNormalization" in str(w.message)
+    ]
+    assert len(messages) == 1
+    assert "micro_batches=2" in messages[0]
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2", None])
+def test_mixin_rejects_bad_micro_batches(value):
+    model = GuardedSequential([keras.Input((2,)), keras.layers.Dense(1)])
+    message = (
+        "`micro_batches` must be an integer >= 1. "
+        f"Received: micro_batches={value!r}"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model.micro_batches = value
+    assert model.micro_batches == 1
+
+
+def test_mixin_rejects_bad_mode_and_factory_validates():
+    model = GuardedSequential([keras.Input((2,)), keras.layers.Dense(1)])
+    with pytest.raises(
+        ValueError,
+        match=re.escape("Received: micro_batch_mode='halve'"),
+    ):
+        model.micro_batch_mode = "halve"
+    assert model.micro_batch_mode == "accumulate"
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="micro_batches=0"):
+        make_step_function(model, 0)
+    with pytest.raises(ValueError, match="micro_batches=2.0"):
+        split_micro_batches(tf.zeros([4, 2]), 2.0)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = build_mlp(GuardedSequential)
+    model.micro_batches = 2
+    model.fit(X[:100], Y[:100], batch_size=BATCH_SIZE, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(
+        path, custom_objects={"GuardedSequential": GuardedSequential}
+    )
+    assert type(loaded) is GuardedSequential
+    assert loaded.micro_batches == 1  # Runtime state, not configuration.
+    np.testing.assert_allclose(
+        loaded.predict(X[:10], verbose=0), model.predict(X[:10], verbose=0)
+    )
+    assert int(loaded.optimizer.iterations) == 2
+    loaded.micro_batches = 2
+    loaded.fit(X[:100], Y[:100], batch_size=BATCH_SIZE, verbose=0)
+    assert int(loaded.optimizer.iterations) == 4
+    logs = loaded.train_on_batch(X[:50], Y[:50], return_dict=True)
+    assert np.isfinite(logs["loss"])
+    assert int(loaded.optimizer.iterations) == 5
+
+    functional = build_two_input_model(GuardedModel)
+    clone = GuardedModel.from_config(functional.get_config())
+    assert isinstance(clone, GuardedModel)
+    assert clone.micro_batches == 1
