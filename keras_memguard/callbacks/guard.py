@@ -195,6 +195,14 @@ class MemoryGuard(keras.callbacks.Callback):
             if usage is None or device_usage > usage:
                 usage, limit = device_usage, device_limit
         decision, self.state = policy.decide(self.config, self.state, usage)
+        if decision.changed and self._function.largest_batch_size:
+            # More micro-batches than samples would only add empty ones.
+            k = policy.clamp_micro_batches(
+                decision.micro_batches, self._function.largest_batch_size
+            )
+            if k != decision.micro_batches:
+                self.state = self.state._replace(micro_batches=k)
+                decision = decision._replace(micro_batches=k)
         if decision.changed:
             self._announce(decision, limit)
             self._apply(decision.micro_batches)

@@ -44,6 +44,7 @@ class ReplayTrainFunction:
         self.mode = mode
         self.on_out_of_memory = on_out_of_memory
         self.last_batch_size = None
+        self.largest_batch_size = None
 
     def step_for(self, micro_batches):
         """Returns the compiled step for `micro_batches`, tracing it once."""
@@ -72,6 +73,8 @@ class ReplayTrainFunction:
         """
         batch_size = batch_size_of(data)
         self.last_batch_size = batch_size
+        if batch_size and (self.largest_batch_size or 0) < batch_size:
+            self.largest_batch_size = batch_size
         while True:
             micro_batches = self.micro_batches
             try:
