@@ -45,6 +45,9 @@ class ReplayTrainFunction:
         self.on_out_of_memory = on_out_of_memory
         self.last_batch_size = None
         self.largest_batch_size = None
+        self.last_replica_batch_size = None
+        self.largest_replica_batch_size = None
+        self._state_built = False
 
     def step_for(self, micro_batches):
         """Returns the compiled step for `micro_batches`, tracing it once."""
@@ -71,10 +74,20 @@ class ReplayTrainFunction:
         Returns:
             The step's logs.
         """
-        batch_size = batch_size_of(data)
+        if not self._state_built:
+            build_training_state(self.model, data)
+            self._state_built = True
+        replica_sizes = replica_batch_sizes(data, self.model.distribute_strategy)
+        batch_size = None if replica_sizes is None else sum(replica_sizes)
         self.last_batch_size = batch_size
         if batch_size and (self.largest_batch_size or 0) < batch_size:
             self.largest_batch_size = batch_size
+        # Each replica splits its own part: a micro-batch count above the
+        # largest part only adds empty micro-batches.
+        replica_size = None if replica_sizes is None else max(replica_sizes)
+        self.last_replica_batch_size = replica_size
+        if replica_size and (self.largest_replica_batch_size or 0) < replica_size:
+            self.largest_replica_batch_size = replica_size
         while True:
             micro_batches = self.micro_batches
             try:
@@ -83,6 +96,19 @@ class ReplayTrainFunction:
                 if self.on_out_of_memory is None:
                     raise
                 self.micro_batches = self.on_out_of_memory(batch_size, micro_batches, error)
+
+
+def build_training_state(model, data):
+    """Creates the model's, metrics' and optimizer's variables before a step.
+
+    Keras defers this to the first traced step when no distribution strategy
+    is set. A first step that runs out of memory must not be the one that
+    creates and initializes state, so it is built symbolically here, as
+    Keras' own `_symbolic_build` does under a strategy.
+    """
+    if isinstance(tree.flatten(data)[0], tf.distribute.DistributedValues):
+        return  # `fit` already built it under the strategy.
+    model._symbolic_build(data_batch=data)
 
 
 # model -> (what the steps were compiled against, {(k, mode): step}). Kept
@@ -107,21 +133,67 @@ def step_function(model, micro_batches, mode):
     return step
 
 
-def batch_size_of(data):
-    """Returns the number of samples in a batch (summed over replicas).
+def batch_size_of(data, strategy=None):
+    """Returns the number of samples in a batch, summed over replicas.
+
+    Under a `tf.distribute` strategy a batch holds per-replica values
+    (`tf.distribute.DistributedValues`); their local batches are added up,
+    so the result is the batch size `fit` was given (the global batch), as
+    it was split across this process's replicas.
 
     Args:
         data: A nested structure of tensors, or of per-replica values.
+        strategy: The `tf.distribute.Strategy` that produced `data`, whose
+            `experimental_local_results` gives the per-replica tensors.
+            Defaults to `None`: read the per-replica values directly.
 
     Returns:
         An int, or `None` when no tensor has a known first dimension.
+
+    Example:
+
+    >>> batch_size_of((tf.zeros([32, 8]), tf.zeros([32, 1])))
+    32
+    """
+    sizes = replica_batch_sizes(data, strategy)
+    return None if sizes is None else sum(sizes)
+
+
+def replica_batch_sizes(data, strategy=None):
+    """Returns the number of samples each local replica gets from a batch.
+
+    Args:
+        data: A nested structure of tensors, or of per-replica values.
+        strategy: The `tf.distribute.Strategy` that produced `data`.
+            Defaults to `None`: read the per-replica values directly.
+
+    Returns:
+        A tuple of ints, one per local replica (one entry for a batch that
+        is not distributed); a replica may get 0 samples from the last,
+        short batch of an epoch. `None` when no tensor has a known first
+        dimension.
+
+    Example:
+
+    >>> replica_batch_sizes(tf.zeros([32, 8]))
+    (32,)
     """
     for leaf in tree.flatten(data):
-        values = getattr(leaf, "values", None)
-        if values is not None and not hasattr(leaf, "shape"):
-            # A PerReplica value: one tensor per replica.
-            return sum(int(value.shape[0]) for value in values)
-        shape = getattr(leaf, "shape", None)
-        if shape is not None and len(shape) > 0 and shape[0] is not None:
-            return int(shape[0])
+        if isinstance(leaf, tf.distribute.DistributedValues):
+            if strategy is not None:
+                values = strategy.experimental_local_results(leaf)
+            else:
+                values = leaf.values
+        else:
+            values = (leaf,)
+        sizes = tuple(_leading_dimension(value) for value in values)
+        if sizes and None not in sizes:
+            return sizes
     return None
+
+
+def _leading_dimension(value):
+    shape = getattr(value, "shape", None)
+    if shape is None or len(shape) == 0 or shape[0] is None:
+        return None
+    return int(shape[0])
