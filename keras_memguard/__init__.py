@@ -14,6 +14,7 @@ __version__ = "0.1.0.dev0"
 _EXPORTS = {
     "AllocatorProbe": "keras_memguard.probes.tf_allocator",
     "AllocatorSample": "keras_memguard.probes.base",
+    "DistributedOutOfMemoryError": "keras_memguard.errors",
     "MemGuardError": "keras_memguard.errors",
     "MemGuardMixin": "keras_memguard.training.mixin",
     "MemoryGuard": "keras_memguard.callbacks.guard",
@@ -23,6 +24,7 @@ _EXPORTS = {
     "NvmlProbe": "keras_memguard.probes.nvml",
     "NvmlSample": "keras_memguard.probes.base",
     "UnsupportedTrainingSetupError": "keras_memguard.errors",
+    "prepare_multi_worker": "keras_memguard.training.multi_worker",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -35,3 +35,24 @@ class MemoryLimitUnknownError(MemGuardError):
 
 class UnsupportedTrainingSetupError(MemGuardError):
     """The model or `fit` configuration cannot be guarded safely."""
+
+
+class DistributedOutOfMemoryError(MemGuardError):
+    """A worker ran out of memory where the batch cannot be replayed.
+
+    Raised on every worker of a `MultiWorkerMirroredStrategy` cluster, within
+    moments of each other, when one worker runs out of memory while its
+    peers may be inside a collective (the gradient all-reduce and optimizer
+    update, or a `train_step` override that cannot be split). TensorFlow
+    cannot recover aborted collectives in the same process: restart the
+    workers.
+
+    Args:
+        message: The explanation shown to the user.
+        worker: The index of the worker that ran out of memory, or `None`
+            when unknown.
+    """
+
+    def __init__(self, message, worker=None):
+        super().__init__(message)
+        self.worker = worker

@@ -14,6 +14,7 @@ from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.probes.tf_allocator import AllocatorProbe
 from keras_memguard.sinks import tensorboard as tb
+from keras_memguard.training import multi_worker
 from keras_memguard.training.mixin import MemGuardMixin
 from keras_memguard.training.replay import ReplayTrainFunction
 
@@ -137,6 +138,7 @@ class MemoryGuard(keras.callbacks.Callback):
         self._function = None
         self._previous_function = None
         self._base_learning_rate = None
+        self._multi_worker = False
         self._step = 0
         self._last_batch = -1
 
@@ -160,7 +162,17 @@ class MemoryGuard(keras.callbacks.Callback):
         self._check_model(model)
         self._limits = self._resolve_limits()
         self._load_state()
-        self._function = ReplayTrainFunction(
+        self._multi_worker = multi_worker.is_multi_worker(model.distribute_strategy)
+        if self._multi_worker:
+            # Makes Keras' symbolic build and log reduction work across
+            # workers; resets the train and test functions.
+            multi_worker.prepare_multi_worker(model)
+        function_class = (
+            multi_worker.MultiWorkerTrainFunction
+            if self._multi_worker
+            else ReplayTrainFunction
+        )
+        self._function = function_class(
             model,
             micro_batches=self.state.micro_batches,
             mode=self.mode,
@@ -194,6 +206,9 @@ class MemoryGuard(keras.callbacks.Callback):
             device_usage = sample.peak_bytes / device_limit
             if usage is None or device_usage > usage:
                 usage, limit = device_usage, device_limit
+        if self._multi_worker:
+            # The same decision at the same step on every worker.
+            usage, _ = multi_worker.agree_on_usage(self.model.distribute_strategy, usage)
         decision, self.state = policy.decide(self.config, self.state, usage)
         if decision.changed and self._function.largest_batch_size:
             # More micro-batches than samples would only add empty ones.

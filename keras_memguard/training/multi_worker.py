@@ -1,0 +1,595 @@
+"""Guarded training under `tf.distribute.MultiWorkerMirroredStrategy`.
+
+Plain Keras 3 `fit` does not run under `MultiWorkerMirroredStrategy`
+(keras-team/keras#20585, tensorflow/tensorflow#72388). Checked with
+TensorFlow 2.21 / Keras 3.15 and two CPU workers on 127.0.0.1, it fails twice:
+
+1. `Trainer._maybe_symbolic_build` calls
+   `strategy.reduce("MEAN", (x, y), axis=None)` on the whole first batch. The
+   strategy's `reduce` takes one `DistributedValues`, not a nest; with one
+   worker the tuple passes through untouched (a `MEAN` of a non-distributed
+   value is the value), with several it goes to the cross-device ops, which
+   try `tf.convert_to_tensor` on the tuple of `PerReplica` values: "Attempt
+   to convert a value (PerReplica: ...) with an unsupported type".
+2. `reduce_per_replica(logs, strategy, "auto")` reduces every log with
+   `strategy.reduce("MEAN", v, axis=0)` under multi-worker collectives, but
+   the logs are scalars: "Invalid reduction dimension 0 for input with 0
+   dimensions". The train step itself (forward, loss scaled by
+   `num_replicas_in_sync`, gradient all-reduce in `optimizer.apply`, metric
+   updates) traces and runs fine.
+
+`prepare_multi_worker(model)` fixes both on one model instance: the symbolic
+build gets the first local replica's batch (shapes only, no collective), and
+every log value gets a leading axis of 1 before the reduction, so that the
+`axis=0` mean is the mean across replicas. With it, plain `fit` and
+`evaluate` run under the strategy too.
+
+The out-of-memory replay needs more care. Collective instance keys are
+assigned at call time, one per collective call, in the same order on every
+worker. A worker whose step runs out of memory before the gradient
+all-reduce leaves its peers waiting inside that all-reduce; replaying the
+batch locally (what `ReplayTrainFunction` does) starts a *new* call with the
+next instance key, which the peers never match: both workers wait forever
+(seen here: killed after 40 s, no error). So `MultiWorkerTrainFunction`
+splits each step in two compiled functions:
+
+- a local phase: the micro-batched forward and backward passes
+  (`accumulate_gradients`), with no collective at all. An out-of-memory
+  error here changes nothing and leaves no peer waiting;
+- an agreement (one small all-gather): every worker learns whether any
+  worker ran out of memory, and the batch size. If one did, every worker
+  calls the same out-of-memory handler with the same inputs, so all pick
+  the same larger `k` (or all raise `MicroBatchTooLargeError`); the workers
+  that ran out of memory compute their gradients again, and the agreement
+  repeats;
+- an apply phase: loss tracker, `optimizer.apply` (the gradient
+  all-reduce) and metrics, once every worker has its gradients.
+
+An out-of-memory error in the apply phase (all-reduce buffers, optimizer
+temporaries) cannot be replayed: a peer may already be inside the
+all-reduce, and TensorFlow cannot recover aborted collectives in-process
+("Restart your program to reset"). The worker then reports the error to the
+cluster through the coordination service, which aborts the peers'
+collectives at once, and every worker raises
+`DistributedOutOfMemoryError`. A model whose own `train_step` cannot be
+split (a `MemGuardMixin` override) gets the same fail-fast treatment for
+every out-of-memory error.
+
+Usage decisions are agreed the same way: `agree_on_usage` takes the maximum
+over all workers before the policy decides, so every worker changes `k` at
+the same step.
+"""
+
+import types
+
+import keras
+import tensorflow as tf
+from keras import tree
+from tensorflow.python.eager import context
+
+from keras_memguard.errors import DistributedOutOfMemoryError
+from keras_memguard.errors import UnsupportedTrainingSetupError
+
+# Package-internal step pieces, used as the single-process step uses them.
+from keras_memguard.training.micro_batch import _build_metrics
+from keras_memguard.training.micro_batch import _build_optimizer
+from keras_memguard.training.micro_batch import _finish_step
+from keras_memguard.training.micro_batch import _warn_batch_statistics_once
+from keras_memguard.training.micro_batch import accumulate_gradients
+from keras_memguard.training.micro_batch import validate_micro_batches
+from keras_memguard.training.micro_batch import validate_mode
+from keras_memguard.training.replay import batch_size_of
+
+
+# Put in the message reported to the cluster, so that the peers whose
+# collectives it aborts can tell it from any other failure.
+_ABORT_MARKER = "keras_memguard: out of memory on worker"
+_PREPARED_ATTR = "_memguard_multi_worker_prepared"
+
+
+def is_multi_worker(strategy):
+    """Tells whether a strategy runs collectives across several workers.
+
+    Args:
+        strategy: A `tf.distribute.Strategy`, or `None`.
+
+    Returns:
+        `True` for a `tf.distribute.MultiWorkerMirroredStrategy` in
+        multi-worker mode (a `TF_CONFIG` cluster of more than one task).
+
+    Example:
+
+    >>> is_multi_worker(tf.distribute.get_strategy())
+    False
+    """
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and bool(strategy.extended._in_multi_worker_mode())
+
+
+def worker_index(strategy):
+    """Returns this worker's task index in the cluster (0 when unknown)."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    task_id = getattr(resolver, "task_id", None)
+    return int(task_id) if task_id is not None else 0
+
+
+def first_local_batch(strategy, batch):
+    """Returns the first local replica's part of a distributed batch.
+
+    Enough for a symbolic build, which needs shapes and dtypes only, and
+    runs no collective.
+
+    Args:
+        strategy: The `tf.distribute.Strategy` the batch comes from.
+        batch: A nested structure of `DistributedValues` or tensors.
+
+    Returns:
+        The same structure, with plain tensors.
+    """
+
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    return tree.map_structure(local, batch)
+
+
+def with_leading_axis(logs):
+    """Gives every value of a step's logs a leading axis of size 1.
+
+    Call it inside the replica function, on what `train_step` returns, so
+    that `reduce_logs` can average across replicas.
+
+    Args:
+        logs: A nested structure of tensors (or `None`).
+
+    Returns:
+        The same structure, each tensor `t` replaced by `t[None]`.
+    """
+    return tree.map_structure(
+        lambda value: None if value is None else tf.expand_dims(value, 0), logs
+    )
+
+
+def reduce_logs(logs, strategy):
+    """Averages per-replica logs across all replicas of all workers.
+
+    Keras' `reduce_per_replica(..., "auto")` reduces with
+    `strategy.reduce("MEAN", v, axis=0)` under multi-worker collectives,
+    which fails on scalar logs. With a leading axis of 1 on each value
+    (`with_leading_axis`, inside the replica function) the `axis=0` mean is
+    the mean across replicas, element-wise: the value Keras gives under
+    `MirroredStrategy`.
+
+    Args:
+        logs: A nested structure of per-replica values from `strategy.run`,
+            each with the leading axis `with_leading_axis` adds.
+        strategy: The `tf.distribute.Strategy` that ran the step.
+
+    Returns:
+        The same structure, one tensor per value, without the leading axis.
+    """
+    return tree.map_structure(
+        lambda value: None
+        if value is None
+        else strategy.reduce("MEAN", value, axis=0),
+        logs,
+    )
+
+
+def prepare_multi_worker(model):
+    """Makes a model trainable under `MultiWorkerMirroredStrategy`.
+
+    Call it once after `model.compile()`, inside or outside the strategy's
+    scope, before the first `fit`. It changes this model instance only:
+
+    - its symbolic build (run by `fit` before any callback) uses the first
+      local replica's part of the first batch instead of reducing the whole
+      batch across workers, which Keras 3 cannot do
+      (keras-team/keras#20585);
+    - its train, test and predict functions give each log value a leading
+      axis before Keras reduces it, so the multi-worker mean reduction works
+      on scalars.
+
+    Nothing is saved with the model; a loaded model needs the call again.
+    Under any other strategy it does nothing.
+
+    Args:
+        model: A Keras model (TensorFlow backend) built under the
+            strategy's scope.
+
+    Returns:
+        `model`, for chaining.
+
+    Example:
+
+    ```python
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer="adam", loss="mse")
+    keras_memguard.prepare_multi_worker(model)
+    model.fit(dataset, callbacks=[keras_memguard.MemoryGuard()])
+    ```
+    """
+    if not is_multi_worker(model.distribute_strategy):
+        return model
+    if getattr(model, _PREPARED_ATTR, False):
+        return model
+    trainer_class = _tf_trainer_class()
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        if iterator is not None:
+            for _, _, batches in iterator:
+                data_batch = first_local_batch(
+                    self.distribute_strategy, next(batches)
+                )
+                break
+        with self.distribute_strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    def _make_function(self, step_function):
+        def step_with_leading_axis(data):
+            return with_leading_axis(step_function(data))
+
+        return trainer_class._make_function(self, step_with_leading_axis)
+
+    # object.__setattr__: plain instance attributes, not tracked state.
+    object.__setattr__(
+        model, "_maybe_symbolic_build", types.MethodType(_maybe_symbolic_build, model)
+    )
+    object.__setattr__(
+        model, "_make_function", types.MethodType(_make_function, model)
+    )
+    object.__setattr__(model, _PREPARED_ATTR, True)
+    # Functions built before this call would still reduce the Keras way.
+    model.train_function = None
+    model.test_function = None
+    return model
+
+
+def _tf_trainer_class():
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return TensorFlowTrainer
+
+
+def agree_max(strategy, values):
+    """The element-wise maximum of `values` over all replicas and workers.
+
+    One all-gather of a small vector across the cluster. Every worker must
+    call it at the same point, the same number of times.
+
+    Args:
+        strategy: The `tf.distribute.Strategy`.
+        values: A list of Python numbers (the same length everywhere).
+
+    Returns:
+        A list of Python floats.
+
+    Raises:
+        DistributedOutOfMemoryError: If another worker reported an
+            out-of-memory error that aborted the cluster's collectives.
+    """
+    if not is_multi_worker(strategy):
+        return [float(v) for v in values]
+    function = _agree_function(strategy)
+    vector = tf.constant([float(v) for v in values], tf.float64)
+    try:
+        result = function(vector)
+    except tf.errors.OpError as error:
+        _raise_if_peer_aborted(error)
+        raise
+    return [float(v) for v in result.numpy()]
+
+
+_agree_functions = {}
+
+
+def _agree_function(strategy):
+    function = _agree_functions.get(id(strategy))
+    if function is not None and function[0] is strategy:
+        return function[1]
+
+    def gather_max(vector):
+        context_ = tf.distribute.get_replica_context()
+        gathered = context_.all_gather(tf.expand_dims(vector, 0), axis=0)
+        return tf.reduce_max(gathered, axis=0)
+
+    @tf.function(reduce_retracing=True)
+    def agree(vector):
+        result = strategy.run(gather_max, args=(vector,))
+        return strategy.experimental_local_results(result)[0]
+
+    _agree_functions[id(strategy)] = (strategy, agree)
+    return agree
+
+
+def agree_on_usage(strategy, usage, largest_batch_size=None):
+    """Makes every worker decide from the same numbers.
+
+    Args:
+        strategy: The `tf.distribute.Strategy`.
+        usage: This worker's memory usage (peak / limit), or `None` when
+            unknown.
+        largest_batch_size: This worker's largest batch so far, or `None`.
+
+    Returns:
+        `(usage, largest_batch_size)`: the maxima over all workers, each
+        `None` when no worker knows it.
+    """
+    usage_value, batch_value = agree_max(
+        strategy,
+        [
+            -1.0 if usage is None else usage,
+            -1.0 if largest_batch_size is None else largest_batch_size,
+        ],
+    )
+    return (
+        None if usage_value < 0 else usage_value,
+        None if batch_value < 0 else int(batch_value),
+    )
+
+
+def _raise_if_peer_aborted(error):
+    message = str(error)
+    if _ABORT_MARKER in message:
+        worker = None
+        tail = message.split(_ABORT_MARKER, 1)[1].split()
+        if tail and tail[0].rstrip(":").isdigit():
+            worker = int(tail[0].rstrip(":"))
+        raise DistributedOutOfMemoryError(
+            _abort_message(worker, local=False), worker=worker
+        ) from error
+
+
+def _abort_message(worker, local):
+    who = "This worker" if local else f"Worker {worker}"
+    return (
+        f"{who} ran out of memory where the batch cannot be replayed across "
+        "workers (during the gradient all-reduce and optimizer update, or in "
+        "a `train_step` override that keras_memguard cannot split), so every "
+        "worker stopped; TensorFlow cannot recover aborted collectives in the "
+        "same process. HINT: restart the workers (with "
+        "keras.callbacks.BackupAndRestore and the same `backup_dir` for "
+        "MemoryGuard, training resumes with the guard's micro-batch count), "
+        "lower MemoryGuard's `threshold` so micro-batching starts before "
+        "memory runs out, or lower the batch size."
+    )
+
+
+def _report_and_raise(strategy, error):
+    """Aborts every worker's collectives, then raises the package error."""
+    worker = worker_index(strategy)
+    try:
+        context.context().report_error_to_cluster(
+            tf.errors.ABORTED, f"{_ABORT_MARKER} {worker}: {error.message}"
+        )
+    except Exception:  # noqa: BLE001 - the peers still fail when we exit.
+        pass
+    raise DistributedOutOfMemoryError(
+        _abort_message(worker, local=True), worker=worker
+    ) from error
+
+
+def _is_collective_abort(error):
+    return "Collective ops is aborted" in str(error)
+
+
+def _on_replica_device(gradient):
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.identity(gradient.values),
+            tf.identity(gradient.indices),
+            gradient.dense_shape,
+        )
+    return tf.identity(gradient)
+
+
+def _splittable(model):
+    """Tells whether the model trains with keras_memguard's own step."""
+    from keras_memguard.training.mixin import MemGuardMixin
+
+    step = type(model).train_step
+    return step is keras.Model.train_step or step is MemGuardMixin.train_step
+
+
+class MultiWorkerTrainFunction:
+    """`ReplayTrainFunction` for `MultiWorkerMirroredStrategy` clusters.
+
+    Each batch runs in three parts: the local, micro-batched gradient
+    computation (no collective, so an out-of-memory error there leaves no
+    peer waiting), one all-gather through which every worker learns whether
+    any worker ran out of memory, and the apply phase (loss tracker,
+    gradient all-reduce and optimizer update, metrics). A batch that ran out
+    of memory on any worker is replayed on the workers that need it with the
+    `k` every worker gets from the same handler call; an out-of-memory error
+    in the apply phase raises `DistributedOutOfMemoryError` on every worker.
+
+    Args:
+        model: The compiled Keras model, built under the strategy's scope
+            and passed to `prepare_multi_worker`.
+        micro_batches: The number of micro-batches to start with.
+            Defaults to `1`.
+        mode: Only `"accumulate"`: one update per micro-batch would need a
+            gradient all-reduce inside the micro-batch loop.
+            Defaults to `"accumulate"`.
+        on_out_of_memory: Called as `on_out_of_memory(batch_size,
+            micro_batches, error)` on every worker when any worker runs out
+            of memory in the local phase, with the same `batch_size` and
+            `micro_batches` everywhere; returns the `k` to replay with, or
+            raises. `None` raises `DistributedOutOfMemoryError`.
+            Defaults to `None`.
+
+    Raises:
+        UnsupportedTrainingSetupError: If `mode` is `"shrink"`.
+    """
+
+    def __init__(self, model, micro_batches=1, mode="accumulate", on_out_of_memory=None):
+        self.model = model
+        self.strategy = model.distribute_strategy
+        self.micro_batches = validate_micro_batches(micro_batches)
+        self.mode = validate_mode(mode)
+        if mode != "accumulate":
+            raise UnsupportedTrainingSetupError(
+                "`mode='shrink'` is not supported under "
+                "MultiWorkerMirroredStrategy: each update all-reduces the "
+                "gradients, which cannot run inside the micro-batch loop. "
+                f"Received: mode={mode!r}. HINT: use mode='accumulate'."
+            )
+        self.on_out_of_memory = on_out_of_memory
+        self.splittable = _splittable(model)
+        self.last_batch_size = None
+        self.largest_batch_size = None
+        self._local_steps = {}
+        self._apply_step = None
+        self._whole_steps = {}
+
+    def __call__(self, iterator):
+        logs = None
+        for _ in range(self.model.steps_per_execution):
+            try:
+                data = iterator.get_next()
+            except tf.errors.OutOfRangeError:
+                if logs is None:
+                    raise
+                break
+            logs = self.run(data)
+        return logs
+
+    def run(self, data):
+        """Trains on one batch on every worker, replaying it on OOM.
+
+        Args:
+            data: One batch as the distributed iterator yields it.
+
+        Returns:
+            The step's logs, averaged over all replicas.
+        """
+        if not self.splittable:
+            return self._run_whole(data)
+        local_batch = batch_size_of(data) or 0
+        result = None
+        while True:
+            micro_batches = self.micro_batches
+            error = None
+            if result is None:
+                try:
+                    result = self._local_step(micro_batches)(data)
+                except tf.errors.ResourceExhaustedError as oom:
+                    error = oom
+            failed, batch_size = agree_max(
+                self.strategy, [result is None, local_batch]
+            )
+            batch_size = int(batch_size)
+            self.last_batch_size = batch_size
+            if batch_size > (self.largest_batch_size or 0):
+                self.largest_batch_size = batch_size
+            if not failed:
+                break
+            if error is None:
+                error = tf.errors.ResourceExhaustedError(
+                    None, None, "Another worker ran out of memory on this batch."
+                )
+            if self.on_out_of_memory is None:
+                raise DistributedOutOfMemoryError(
+                    f"A worker ran out of memory at {micro_batches} "
+                    "micro-batches and no handler chose a replay."
+                ) from error
+            # The same handler, state and inputs on every worker: the same
+            # new `k` everywhere, or the same error everywhere.
+            self.micro_batches = self.on_out_of_memory(
+                batch_size, micro_batches, error
+            )
+        try:
+            return self._apply()(data, result)
+        except tf.errors.OpError as error:
+            _raise_if_peer_aborted(error)
+            if isinstance(error, tf.errors.ResourceExhaustedError) and not (
+                _is_collective_abort(error)
+            ):
+                _report_and_raise(self.strategy, error)
+            raise
+
+    def _run_whole(self, data):
+        """A train step that cannot be split: fail fast on any OOM."""
+        batch_size = batch_size_of(data)
+        self.last_batch_size = batch_size
+        if batch_size and batch_size > (self.largest_batch_size or 0):
+            self.largest_batch_size = batch_size
+        try:
+            return self._whole_step(self.micro_batches)(data)
+        except tf.errors.OpError as error:
+            _raise_if_peer_aborted(error)
+            if isinstance(error, tf.errors.ResourceExhaustedError) and not (
+                _is_collective_abort(error)
+            ):
+                _report_and_raise(self.strategy, error)
+            raise
+
+    def _whole_step(self, micro_batches):
+        step = self._whole_steps.get(micro_batches)
+        if step is not None:
+            return step
+        strategy = self.strategy
+        train_step = self.model._memguard_train_step_for(micro_batches, self.mode)
+
+        def replica_step(data):
+            return with_leading_axis(train_step(data))
+
+        @tf.function(reduce_retracing=True)
+        def whole_step(data):
+            return reduce_logs(strategy.run(replica_step, args=(data,)), strategy)
+
+        self._whole_steps[micro_batches] = whole_step
+        return whole_step
+
+    def _local_step(self, micro_batches):
+        step = self._local_steps.get(micro_batches)
+        if step is not None:
+            return step
+        model = self.model
+        strategy = self.strategy
+
+        def local(data):
+            _warn_batch_statistics_once(model, micro_batches)
+            _build_optimizer(model)
+            result = accumulate_gradients(model, data, micro_batches)
+            return (result.gradients, result.y_pred, result.loss, result.batch_size)
+
+        @tf.function(reduce_retracing=True)
+        def local_step(data):
+            return strategy.run(local, args=(data,))
+
+        self._local_steps[micro_batches] = local_step
+        return local_step
+
+    def _apply(self):
+        if self._apply_step is not None:
+            return self._apply_step
+        model = self.model
+        strategy = self.strategy
+
+        def apply(data, result):
+            gradients, y_pred, loss, batch_size = result
+            # Function inputs carry no device; the all-reduce needs one.
+            gradients = [_on_replica_device(g) for g in gradients]
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            _build_metrics(model, y, y_pred)
+            return with_leading_axis(
+                _finish_step(
+                    model, x, y, sample_weight, y_pred, loss, batch_size, gradients
+                )
+            )
+
+        @tf.function(reduce_retracing=True)
+        def apply_step(data, result):
+            logs = strategy.run(apply, args=(data, result))
+            return reduce_logs(logs, strategy)
+
+        self._apply_step = apply_step
+        return apply_step
