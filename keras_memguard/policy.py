@@ -32,10 +32,11 @@ each `k` seen (a handful of entries). With readings at two different `k`
 (the current one and the nearest other) the two unknowns are solved for;
 with only the current `k` known, the prediction is conservative and assumes
 everything scales (`usage(k / 2) = 2 * usage(k)`); a reading taken directly
-at the target `k` is a floor for the prediction. Because the most recent
-reading at `k / 2` stays in the state until `k / 2` is used again, a `k / 2`
-that once read high keeps vetoing the decrease: the policy errs toward
-staying split.
+at the target `k` is a floor for the prediction. A `k / 2` that read
+high keeps vetoing the decrease while its reading lasts; readings at other
+counts expire after `READING_LIFETIME_COOLDOWNS` cooldowns at the same `k`
+(200 batches by default), so a passing spike does not keep the run split
+for good. Out-of-memory marks never expire.
 
 Example:
 
@@ -67,6 +68,8 @@ __all__ = [
 # The most (k, usage) readings kept in `PolicyState.observations`. With k
 # moving by factors of two, eight entries span k = 1 .. 128.
 MAX_OBSERVATIONS = 8
+# After this many cooldowns at one count, readings at other counts expire.
+READING_LIFETIME_COOLDOWNS = 10
 
 # Version of the dictionary written by `state_to_dict`.
 STATE_FORMAT_VERSION = 1
@@ -434,6 +437,13 @@ def decide(config, state, usage):
         )
     usage = float(usage)
     observations = _record(state.observations, k, usage)
+    if since >= config.cooldown * READING_LIFETIME_COOLDOWNS:
+        # Readings at other counts describe an older workload (a passing
+        # spike, say): forget them, but not out-of-memory marks, so that `k`
+        # can come down again through the conservative one-reading rule.
+        observations = tuple(
+            (m, u) for m, u in observations if m == k or u == _INF
+        )
     peak = f"peak {_percent(usage)}"
 
     if usage >= config.threshold:

@@ -247,7 +247,7 @@ def test_after_going_up_a_high_reading_at_half_vetoes_going_back():
     # prediction, so a k/2 that read above threshold is not returned to.
     config = policy.make_config(cooldown=3)
     decisions, state = run(
-        config, policy.init_state(), [0.95] + [0.5] * 50
+        config, policy.init_state(), [0.95] + [0.5] * 25
     )
     assert decisions[0].action == "increase"
     assert all(d.action == "hold" for d in decisions[1:])
@@ -255,6 +255,28 @@ def test_after_going_up_a_high_reading_at_half_vetoes_going_back():
         "peak 50% < threshold 90%; predicted 95% at 1 micro-batch "
         ">= release 70%"
     )
+    assert state.micro_batches == 2
+
+
+def test_readings_at_other_counts_expire_so_a_passing_spike_does_not_split_for_good():
+    config = policy.make_config(cooldown=3)
+    lifetime = config.cooldown * policy.READING_LIFETIME_COOLDOWNS
+    decisions, state = run(config, policy.init_state(), [0.95] + [0.3] * 60)
+    actions = [d.action for d in decisions]
+    # The spike's reading at k=1 vetoes the decrease while it lasts ...
+    assert actions[1:lifetime] == ["hold"] * (lifetime - 1)
+    # ... then the one-reading rule (2 x 30% = 60% < release 70%) brings k
+    # back down after a full cooldown of calm batches.
+    assert "decrease" in actions
+    assert actions.index("decrease") == lifetime + config.cooldown - 1
+    assert state.micro_batches == 1
+
+
+def test_out_of_memory_marks_never_expire():
+    config = policy.make_config(cooldown=1)
+    _, state = policy.on_out_of_memory(config, policy.init_state(1))
+    decisions, state = run(config, state, [0.1] * 100)
+    assert all(d.action == "hold" for d in decisions)
     assert state.micro_batches == 2
 
 
