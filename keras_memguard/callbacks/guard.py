@@ -210,10 +210,11 @@ class MemoryGuard(keras.callbacks.Callback):
             # The same decision at the same step on every worker.
             usage, _ = multi_worker.agree_on_usage(self.model.distribute_strategy, usage)
         decision, self.state = policy.decide(self.config, self.state, usage)
-        if decision.changed and self._function.largest_batch_size:
-            # More micro-batches than samples would only add empty ones.
+        if decision.changed and self._function.largest_replica_batch_size:
+            # More micro-batches than a replica's samples would only add
+            # empty ones.
             k = policy.clamp_micro_batches(
-                decision.micro_batches, self._function.largest_batch_size
+                decision.micro_batches, self._function.largest_replica_batch_size
             )
             if k != decision.micro_batches:
                 self.state = self.state._replace(micro_batches=k)
@@ -239,7 +240,9 @@ class MemoryGuard(keras.callbacks.Callback):
         samples = self._reader.read(self, None)
         peak = max((s.peak_bytes or 0 for s in samples), default=0) or None
         limit = max((l or 0 for l in self._limits), default=0) or None
-        if micro_batches >= batch_size:
+        # Each replica splits its own part of the (global) batch.
+        replica_batch_size = self._function.last_replica_batch_size or batch_size
+        if micro_batches >= replica_batch_size:
             raise MicroBatchTooLargeError(
                 _too_large_message(batch_size, micro_batches, peak, limit),
                 peak_bytes=peak,
@@ -256,17 +259,17 @@ class MemoryGuard(keras.callbacks.Callback):
                 limit_bytes=limit,
             ) from error
         self.state = state
-        new_k = min(decision.micro_batches, batch_size)
+        new_k = min(decision.micro_batches, replica_batch_size)
         if new_k != decision.micro_batches:
             self.state = self.state._replace(micro_batches=new_k)
         logger.info(
             "out of memory at %d micro-batch%s of a batch of %d: replaying it "
-            "with %d micro-batches (micro-batch %d)",
+            "with %d micro-batches (micro-batch %s)",
             micro_batches,
             "" if micro_batches == 1 else "es",
             batch_size,
             new_k,
-            -(-batch_size // new_k),
+            self._micro_batch_text(new_k),
         )
         self._apply(new_k)
         self._save_state()
@@ -329,6 +332,19 @@ class MemoryGuard(keras.callbacks.Callback):
             self.model.optimizer.learning_rate.assign(self._base_learning_rate)
             self._base_learning_rate = None
 
+    def _micro_batch_size(self, micro_batches):
+        """Samples in one micro-batch of one replica, or `None`."""
+        function = self._function
+        size = function.last_replica_batch_size if function else None
+        return -(-size // micro_batches) if size else None
+
+    def _micro_batch_text(self, micro_batches):
+        size = self._micro_batch_size(micro_batches)
+        function = self._function
+        if function and function.last_replica_batch_size != function.last_batch_size:
+            return f"{size} per replica"
+        return f"{size}"
+
     def _announce(self, decision, limit):
         reason = decision.reason
         if decision.action == "increase" and decision.usage is not None and limit:
@@ -336,10 +352,9 @@ class MemoryGuard(keras.callbacks.Callback):
                 f"peak {decision.usage:.0%} of {limit / _MIB:.0f} MiB "
                 f">= {self.config.threshold:.0%}"
             )
-        batch_size = self._function.last_batch_size if self._function else None
         micro = ""
-        if batch_size:
-            micro = f" (micro-batch {-(-batch_size // decision.micro_batches)})"
+        if self._micro_batch_size(decision.micro_batches):
+            micro = f" (micro-batch {self._micro_batch_text(decision.micro_batches)})"
         logger.info(
             "%s: micro-batches %d -> %d%s",
             reason,
@@ -349,13 +364,12 @@ class MemoryGuard(keras.callbacks.Callback):
         )
 
     def _write_scalars(self):
-        batch_size = self._function.last_batch_size if self._function else None
         k = self.state.micro_batches
         self._writer.write(
             self._step,
             (
                 (tb.MICRO_BATCHES, k),
-                (tb.MICRO_BATCH_SIZE, -(-batch_size // k) if batch_size else None),
+                (tb.MICRO_BATCH_SIZE, self._micro_batch_size(k)),
                 (tb.OOM_RECOVERIES, self.state.oom_count),
             ),
         )

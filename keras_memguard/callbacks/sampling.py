@@ -6,11 +6,17 @@ empty interval. `shared_reader(model)` gives both the same reader; it reads
 the probe once per batch and keeps, for each consumer, the highest peak seen
 since that consumer's previous read, so a consumer that reads every N
 batches still gets the true peak of its whole interval.
+
+Under a `tf.distribute` strategy the reader's probe reads every replica's
+device (`strategy.extended.worker_devices`), so the callbacks see, log and
+decide on all of them. Logical devices that share one physical allocator
+(several logical CPUs on one host) all report that allocator's numbers.
 """
 
 import weakref
 
 from keras_memguard.probes.tf_allocator import AllocatorProbe
+from keras_memguard.probes.tf_allocator import normalize_device
 
 _readers = weakref.WeakKeyDictionary()
 
@@ -24,6 +30,8 @@ class SharedAllocatorReader:
 
     def __init__(self, probe):
         self.probe = probe
+        # The devices `shared_reader` asked the probe for (None: default).
+        self.devices = None
         self._last_key = None
         self._last_samples = ()
         # consumer -> highest peak per device since that consumer's last read.
@@ -83,11 +91,51 @@ def _max_peaks(peaks, samples):
     ]
 
 
+def replica_devices(model):
+    """Returns the devices `model` trains on under its distribution strategy.
+
+    Args:
+        model: A Keras model (TensorFlow backend).
+
+    Returns:
+        A tuple of short TensorFlow device strings (`"GPU:0"`, `"CPU:1"`),
+        one per local replica device of `model.distribute_strategy`, or
+        `None` when the model is not distributed (the default strategy) or
+        its strategy runs on no CPU or GPU device (a TPU): the probe then
+        picks its default devices.
+
+    Example:
+
+    ```python
+    strategy = tf.distribute.MirroredStrategy(["GPU:0", "GPU:1"])
+    with strategy.scope():
+        model = make_model()
+    replica_devices(model)  # ("GPU:0", "GPU:1")
+    ```
+    """
+    strategy = getattr(model, "distribute_strategy", None)
+    try:
+        devices = strategy.extended.worker_devices
+    except (AttributeError, NotImplementedError, RuntimeError):
+        # The default strategy raises RuntimeError: not distributed.
+        return None
+    short = []
+    for device in devices:
+        name = normalize_device(device)
+        if name is None:
+            return None
+        if name not in short:
+            short.append(name)
+    return tuple(short) or None
+
+
 def shared_reader(model):
     """Returns the reader shared by every callback of `model`.
 
-    Its probe resolves limits itself; a callback given its own
-    `memory_limit` applies it through `resolve_limits`.
+    The reader's probe reads the devices of `model.distribute_strategy`'s
+    replicas (`replica_devices`), or the probe's default devices when the
+    model is not distributed. Its probe resolves limits itself; a callback
+    given its own `memory_limit` applies it through `resolve_limits`.
 
     Args:
         model: The Keras model being trained.
@@ -95,9 +143,12 @@ def shared_reader(model):
     Returns:
         A `SharedAllocatorReader`.
     """
+    devices = replica_devices(model)
     reader = _readers.get(model)
-    if reader is None:
-        reader = _readers[model] = SharedAllocatorReader(AllocatorProbe())
+    if reader is None or reader.devices != devices:
+        reader = SharedAllocatorReader(AllocatorProbe(devices=devices))
+        reader.devices = devices
+        _readers[model] = reader
     return reader
 
 

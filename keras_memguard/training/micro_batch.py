@@ -202,7 +202,25 @@ class AccumulatedGradients(NamedTuple):
             outputs. Put optimizer, metric and loss-tracker updates under
             `tf.control_dependencies(result.control_inputs())`.
         """
-        return _flat_tensors([self.gradients, self.loss, self.y_pred])
+        tensors = _flat_tensors([self.gradients, self.loss, self.y_pred])
+        return tensors + _replica_barrier(tensors)
+
+
+def _replica_barrier(tensors):
+    """Returns a tensor that exists only once every replica has `tensors`.
+
+    Under a `tf.distribute` strategy with several replicas, metric and
+    loss-tracker variables are replica-local: a replica that has finished
+    its micro-batches would update them even when another replica's
+    out-of-memory error then aborts the step, and the replay would count
+    its samples twice. An all-reduce waits for every replica.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync <= 1:
+        return []
+    with tf.control_dependencies(tensors):
+        done = tf.ones([], tf.float32)
+    return [context.all_reduce("SUM", done)]
 
 
 def _flat_tensors(structure):
@@ -285,7 +303,10 @@ def _slice_structure(structure, start, size):
 
 
 def _fraction(size, batch_size):
-    return tf.cast(size, tf.float32) / tf.cast(batch_size, tf.float32)
+    # 0 for an empty batch (a replica's part of a short last batch).
+    return tf.math.divide_no_nan(
+        tf.cast(size, tf.float32), tf.cast(batch_size, tf.float32)
+    )
 
 
 def _make_micro_batch(x, y, sample_weight, start, size, batch_size):
@@ -386,10 +407,13 @@ def _plan(batch_size, micro_batches):
 
     A batch smaller than `micro_batches` runs one micro-batch per sample:
     `count = min(batch_size, micro_batches)` parts, the first `remainder`
-    of `quotient + 1` samples, the others of `quotient`. Python ints when
-    the batch size is static, else scalar `int32` tensors.
+    of `quotient + 1` samples, the others of `quotient`. An empty batch
+    (under a `tf.distribute` strategy, a replica's part of an epoch's last
+    batch when it has fewer samples than replicas) runs one empty
+    micro-batch that contributes nothing, as Keras' own step does. Python
+    ints when the batch size is static, else scalar `int32` tensors.
     """
-    count = _min(batch_size, micro_batches)
+    count = _max(_min(batch_size, micro_batches), 1)
     return count, batch_size // count, batch_size % count
 
 
@@ -409,9 +433,9 @@ def _run_micro_batches(data, micro_batches, first, rest):
     constant within its loop, which XLA needs. The loops run one iteration
     at a time (`parallel_iterations=1`) and each micro-batch is sliced under
     control dependencies on the previous carry, so two micro-batches'
-    activations are never alive together. No empty micro-batch ever runs
+    activations are never alive together. No empty micro-batch runs
     (its forward pass would give NaN and write NaN BatchNormalization
-    statistics).
+    statistics), except for an empty batch, as Keras' own step does.
 
     Returns:
         `(carry, y_pred, batch_size)`: the last carry, the outputs of the

@@ -449,6 +449,19 @@ class MultiWorkerTrainFunction:
         self._apply_step = None
         self._whole_steps = {}
 
+
+    # The guard splits each replica's part of the batch; this worker's data
+    # is its replicas' part (one replica per worker in the common case).
+    @property
+    def last_replica_batch_size(self):
+        """Samples of the last batch on this worker's replica."""
+        return self.last_batch_size
+
+    @property
+    def largest_replica_batch_size(self):
+        """Samples of the largest batch so far on this worker's replica."""
+        return self.largest_batch_size
+
     def __call__(self, iterator):
         logs = None
         for _ in range(self.model.steps_per_execution):
