@@ -16,7 +16,8 @@ class MemoryMonitor(keras.callbacks.Callback):
     """Logs device memory to TensorBoard and to the Keras logs.
 
     Every sampled batch, the TensorFlow allocator of each device in use
-    (`GPU:i`, or `CPU:0` without a GPU) is read: the bytes in use and the
+    (the devices of the model's `tf.distribute` strategy;
+    otherwise `GPU:i`, or `CPU:0` without a GPU) is read: the bytes in use and the
     highest bytes in use since the previous sample (the per-batch peak, which
     is what predicts the next out-of-memory error). On NVIDIA GPUs, NVML's
     device-wide readings are logged beside them.
