@@ -236,6 +236,19 @@ def test_guard_keeps_one_micro_batch_when_memory_is_plentiful():
     assert history.history["samples"] == [200.0, 200.0]
 
 
+def test_guard_can_start_split():
+    x, y = make_data()
+    model = make_mlp()
+    guard = keras_memguard.MemoryGuard(micro_batches=4, memory_limit=1 << 40, cooldown=1000)
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(logs["micro_batches"])
+    )
+    history = model.fit(x, y, batch_size=50, epochs=1, verbose=0, callbacks=[guard, record])
+    assert seen == [4, 4, 4, 4]
+    assert history.history["samples"] == [200.0]
+
+
 def test_state_persists_across_fits_and_train_function_is_restored():
     x, y = make_data()
     model = make_mlp()
@@ -421,6 +434,8 @@ def test_guard_refuses_to_start_without_a_memory_limit(monkeypatch):
         ({"cooldown": -1}, "cooldown=-1"),
         ({"memory_limit": -5}, "memory_limit=-5"),
         ({"scale_learning_rate": "yes"}, "scale_learning_rate='yes'"),
+        ({"micro_batches": 0}, "micro_batches=0"),
+        ({"micro_batches": 8, "max_micro_batches": 4}, "micro_batches=8"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_value(kwargs, message):

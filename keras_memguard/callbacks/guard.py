@@ -73,6 +73,9 @@ class MemoryGuard(keras.callbacks.Callback):
         cooldown: Batches the predicted usage must stay below `release`, and
             the least number of batches between two usage-driven changes,
             before `k` halves. Defaults to `20`.
+        micro_batches: The number of micro-batches to start with, when the
+            guard has no saved state (from an earlier `fit` or from
+            `backup_dir`). Defaults to `1`.
         memory_limit: Device memory limit in bytes (an int for every device,
             or a dict from TensorFlow device string to bytes). `None`
             resolves it as `AllocatorProbe` documents. Defaults to `None`.
@@ -104,6 +107,7 @@ class MemoryGuard(keras.callbacks.Callback):
         mode="accumulate",
         max_micro_batches=None,
         cooldown=20,
+        micro_batches=1,
         memory_limit=None,
         scale_learning_rate=False,
         log_dir=None,
@@ -132,7 +136,21 @@ class MemoryGuard(keras.callbacks.Callback):
         self.scale_learning_rate = scale_learning_rate
         self.log_dir = log_dir
         self.backup_dir = backup_dir
-        self.state = policy.init_state()
+        if (
+            isinstance(micro_batches, bool)
+            or not isinstance(micro_batches, int)
+            or micro_batches < 1
+        ):
+            raise ValueError(
+                "`micro_batches` must be an integer >= 1. "
+                f"Received: micro_batches={micro_batches!r}"
+            )
+        if max_micro_batches is not None and micro_batches > max_micro_batches:
+            raise ValueError(
+                "`micro_batches` must not exceed `max_micro_batches`. Received: "
+                f"micro_batches={micro_batches}, max_micro_batches={max_micro_batches}"
+            )
+        self.state = policy.init_state(micro_batches)
         self._writer = tb.writer_for(log_dir) if log_dir is not None else None
         self._reader = None
         self._function = None
