@@ -468,11 +468,12 @@ def part_throughput(kind, batch, ks, samples, rounds, report):
             cpus[name].append(cpu)
 
     # The guard's compiled steps: one per k, none other.
-    from keras_memguard.training.replay import _step_cache
+    from keras_memguard.training.replay import _STEP_CACHE_ATTR
 
     for name, (model, _, guard, k) in variants.items():
         if guard is not None:
-            assert set(_step_cache[model][1]) == {(k, "accumulate")}, name
+            steps = model.__dict__[_STEP_CACHE_ATTR][1]
+            assert set(steps) == {(k, "accumulate")}, name
 
     med = {n: statistics.median(v) for n, v in walls.items()}
     cpu_med = {n: statistics.median(v) for n, v in cpus.items()}

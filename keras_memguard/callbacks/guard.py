@@ -15,6 +15,7 @@ from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.probes.tf_allocator import AllocatorProbe
 from keras_memguard.sinks import tensorboard as tb
 from keras_memguard.training import multi_worker
+from keras_memguard.training.eval_replay import ReplayTestFunction
 from keras_memguard.training.mixin import MemGuardMixin
 from keras_memguard.training.replay import ReplayTrainFunction
 
@@ -57,6 +58,13 @@ class MemoryGuard(keras.callbacks.Callback):
     `memguard/micro_batch_size` and `memguard/oom_recoveries` to the run
     `<log_dir>/memguard`, adds `micro_batches` to the batch and epoch `logs`,
     and logs one INFO line through the `keras_memguard` logger per change.
+
+    A validation batch (during `fit`) that runs out of memory is evaluated
+    in smaller slices instead, going on from the first sample not yet
+    evaluated: the validation metrics are those of the whole batch. The
+    slice count (`eval_micro_batches`) doubles per error and stays for the
+    next validations; training's `k`, its policy and `oom_recoveries` are
+    left alone.
 
     `k` and the counters persist across epochs and `fit` calls. To resume them
     with `keras.callbacks.BackupAndRestore`, give both the same directory.
@@ -155,6 +163,11 @@ class MemoryGuard(keras.callbacks.Callback):
         self._reader = None
         self._function = None
         self._previous_function = None
+        # Evaluation has its own micro-batch count and counter: an
+        # evaluation batch says nothing about a training step's memory.
+        self._eval_function = None
+        self._eval_micro_batches = 1
+        self._eval_oom_count = 0
         self._base_learning_rate = None
         self._multi_worker = False
         self._step = 0
@@ -169,6 +182,16 @@ class MemoryGuard(keras.callbacks.Callback):
     def oom_recoveries(self):
         """How many batches were replayed after an out-of-memory error."""
         return self.state.oom_count
+
+    @property
+    def eval_micro_batches(self):
+        """The number of slices each validation batch is evaluated in now."""
+        return self._eval_micro_batches
+
+    @property
+    def eval_oom_recoveries(self):
+        """How many times validation ran out of memory and went on in slices."""
+        return self._eval_oom_count
 
     def set_model(self, model):
         super().set_model(model)
@@ -205,6 +228,7 @@ class MemoryGuard(keras.callbacks.Callback):
         if self._function is not None and self.model.train_function is self._function:
             self.model.train_function = self._previous_function
         self._function = None
+        self._restore_test_function()
         self._restore_learning_rate()
         if self._writer is not None:
             self._writer.flush()
@@ -251,6 +275,26 @@ class MemoryGuard(keras.callbacks.Callback):
             logs[MICRO_BATCHES_LOG_KEY] = self.state.micro_batches
         self._save_state()
 
+    def on_test_begin(self, logs=None):
+        # Only `fit`'s validation (the train function is installed then);
+        # `model.evaluate(callbacks=[guard])` runs as Keras runs it. Several
+        # replicas: Keras' own test function (slices are cut in Python).
+        if self._function is None or not ReplayTestFunction.supports(self.model):
+            return
+        self._eval_function = ReplayTestFunction(
+            self.model,
+            micro_batches=self._eval_micro_batches,
+            on_out_of_memory=self._on_eval_out_of_memory,
+        )
+        self._eval_function.install()
+
+    def on_test_end(self, logs=None):
+        if self._function is None:
+            return
+        self._restore_test_function()
+        # Validation's peak must not count as the next training batch's.
+        self._reader.reset()
+
     # The out-of-memory replay.
 
     def _on_out_of_memory(self, batch_size, micro_batches, error):
@@ -293,7 +337,57 @@ class MemoryGuard(keras.callbacks.Callback):
         self._save_state()
         return new_k
 
+    def _on_eval_out_of_memory(self, batch_size, micro_batches, error):
+        """Chooses the slice count to go on evaluating with, or raises.
+
+        Only evaluation's count changes; training's `k`, the policy state
+        and `oom_recoveries` stay as they are.
+        """
+        limit = max((l or 0 for l in self._limits), default=0) or None
+        cap = self.config.max_micro_batches
+        if micro_batches >= batch_size or (cap is not None and micro_batches >= cap):
+            samples = self._reader.read(self, None)
+            peak = max((s.peak_bytes or 0 for s in samples), default=0) or None
+            if micro_batches >= batch_size:
+                message = _too_large_message(batch_size, micro_batches, peak, limit)
+            else:
+                message = (
+                    f"Out of memory evaluating at {micro_batches} micro-batches, "
+                    "the cap set by `max_micro_batches`; the validation batch of "
+                    f"{batch_size} samples cannot be split further. HINT: raise "
+                    "`max_micro_batches` or lower `validation_batch_size`."
+                )
+            raise MicroBatchTooLargeError(
+                "Validation: " + message, peak_bytes=peak, limit_bytes=limit
+            ) from error
+        new_k = min(2 * micro_batches, batch_size)
+        if cap is not None:
+            new_k = min(new_k, cap)
+        self._eval_micro_batches = new_k
+        self._eval_oom_count += 1
+        done = self._eval_function.samples_done if self._eval_function else 0
+        logger.info(
+            "out of memory evaluating a validation batch of %d at %d "
+            "micro-batch%s: going on from sample %d with %d micro-batches "
+            "(micro-batch %d); training keeps %d micro-batch%s",
+            batch_size,
+            micro_batches,
+            "" if micro_batches == 1 else "es",
+            done,
+            new_k,
+            -(-batch_size // new_k),
+            self.state.micro_batches,
+            "" if self.state.micro_batches == 1 else "es",
+        )
+        self._save_state()
+        return new_k
+
     # Helpers.
+
+    def _restore_test_function(self):
+        if self._eval_function is not None:
+            self._eval_function.restore()
+            self._eval_function = None
 
     def _check_model(self, model):
         trains_with_default_step = (
@@ -399,7 +493,14 @@ class MemoryGuard(keras.callbacks.Callback):
         if self.backup_dir is None:
             return
         os.makedirs(self.backup_dir, exist_ok=True)
-        payload = {"policy": policy.state_to_dict(self.state), "step": self._step}
+        payload = {
+            "policy": policy.state_to_dict(self.state),
+            "step": self._step,
+            "eval": {
+                "micro_batches": self._eval_micro_batches,
+                "oom_count": self._eval_oom_count,
+            },
+        }
         tmp = self._state_path() + ".tmp"
         with open(tmp, "w") as f:
             json.dump(payload, f)
@@ -412,6 +513,9 @@ class MemoryGuard(keras.callbacks.Callback):
             payload = json.load(f)
         self.state = policy.state_from_dict(payload["policy"])
         self._step = payload.get("step", self._step)
+        evaluation = payload.get("eval") or {}
+        self._eval_micro_batches = int(evaluation.get("micro_batches", 1))
+        self._eval_oom_count = int(evaluation.get("oom_count", 0))
 
 
 def _too_large_message(batch_size, micro_batches, peak, limit):

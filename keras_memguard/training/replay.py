@@ -12,8 +12,6 @@ Only `tf.errors.ResourceExhaustedError` is caught; every other exception
 passes through unchanged.
 """
 
-import weakref
-
 import tensorflow as tf
 from keras import tree
 
@@ -111,21 +109,24 @@ def build_training_state(model, data):
     model._symbolic_build(data_batch=data)
 
 
-# model -> (what the steps were compiled against, {(k, mode): step}). Kept
-# across `fit` calls so that each `k` is traced once per compile.
-_step_cache = weakref.WeakKeyDictionary()
+_STEP_CACHE_ATTR = "_memguard_step_cache"
 
 
 def step_function(model, micro_batches, mode):
     """Returns the cached compiled step of `model` for `(micro_batches, mode)`.
 
-    The cache is dropped when the model is compiled again (a new optimizer
-    or loss), since a step captures them when traced.
+    The cache lives on the model (the steps close over it, so a cache
+    elsewhere would keep the model alive) and is kept across `fit` calls, so
+    each `k` is traced once per compile. It is dropped when the model is
+    compiled again (a new optimizer or loss), since a step captures them
+    when traced.
     """
     compiled_with = (model.optimizer, getattr(model, "_compile_loss", None))
-    entry = _step_cache.get(model)
+    entry = model.__dict__.get(_STEP_CACHE_ATTR)
     if entry is None or any(a is not b for a, b in zip(entry[0], compiled_with)):
-        entry = _step_cache[model] = (compiled_with, {})
+        entry = (compiled_with, {})
+        # Plain Python state, kept out of Keras' attribute tracking.
+        object.__setattr__(model, _STEP_CACHE_ATTR, entry)
     steps = entry[1]
     step = steps.get((micro_batches, mode))
     if step is None:

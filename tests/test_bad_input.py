@@ -1,0 +1,390 @@
+"""Bad or unusual input: a clear refusal, or training that still comes out right.
+
+Each refusal must name the argument and echo the value, and leave the model
+as it was: its weights, its train function, and its ability to train.
+Each unusual set-up the guard accepts must train with every sample seen
+once and, in accumulate mode, the weights of plain training.
+"""
+
+import logging
+import sys
+import types
+
+import numpy as np
+import pynvml
+import pytest
+
+import keras
+import tensorflow as tf
+
+import keras_memguard
+from keras_memguard.training.eval_replay import ReplayTestFunction
+from tensorboard.backend.event_processing import event_accumulator
+
+MIB = 1024 * 1024
+
+
+class SampleCount(keras.metrics.Metric):
+    """Counts the samples a metric update sees: none lost, none twice."""
+
+    def __init__(self, name="samples", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.count.assign_add(tf.cast(tf.shape(y_true)[0], "float32"))
+
+    def result(self):
+        return self.count * 1.0
+
+
+def make_model(seed=0, **compile_kwargs):
+    """A small MLP, compiled with `compile_kwargs` on top of the defaults."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((12,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(
+        optimizer="adam", loss="mse", metrics=[SampleCount()], **compile_kwargs
+    )
+    return model
+
+
+def make_data(n=200, seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 12)).astype("float32")
+    y = (x[:, :1] - 0.5 * x[:, 1:2] + 0.1 * rng.normal(size=(n, 1))).astype("float32")
+    return x, y
+
+
+# The small MLP peaks under 1 MiB, so the limits that make it micro-batch are
+# that small too; the guard's "bytes, not MiB?" warning is expected there.
+tiny_limit = pytest.mark.filterwarnings("ignore:`memory_limit` of .* is under 1 MiB")
+
+
+def forcing_limit(model, x, y, batch_size):
+    """A memory limit at which `model`'s steady batch peak reads ~95%.
+
+    The guard then splits every batch: the micro-batched path is exercised.
+    """
+    monitor = keras_memguard.MemoryMonitor(nvml=False)
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40)
+    history = model.fit(
+        x[: 2 * batch_size], y[: 2 * batch_size], batch_size=batch_size,
+        epochs=2, verbose=0, callbacks=[monitor, guard],
+    )
+    return int(history.history["memory_peak_mib"][-1] * MIB / 0.95)
+
+
+def assert_weights_equal(model, expected, atol=1e-5):
+    for got, want in zip(model.get_weights(), expected):
+        np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+
+
+# --- Arguments out of range: named, echoed, nothing changed. ---
+
+BAD_ARGUMENTS = [
+    ({"threshold": 0}, "`threshold` must be in (0, 1]. Received: threshold=0"),
+    ({"threshold": -0.1}, "Received: threshold=-0.1"),
+    ({"threshold": 1.5}, "Received: threshold=1.5"),
+    ({"threshold": float("nan")}, "Received: threshold=nan"),
+    ({"threshold": True}, "Received: threshold=True"),
+    ({"threshold": "0.9"}, "Received: threshold='0.9'"),
+    ({"release": 0}, "`release` must be in (0, 1]. Received: release=0"),
+    ({"release": 1.2}, "Received: release=1.2"),
+    ({"release": 0.9}, "`release` must be smaller than `threshold`. "
+                       "Received: release=0.9, threshold=0.9"),
+    ({"threshold": 0.5, "release": 0.6}, "Received: release=0.6, threshold=0.5"),
+    ({"max_micro_batches": 0}, "Received: max_micro_batches=0"),
+    ({"max_micro_batches": -1}, "Received: max_micro_batches=-1"),
+    ({"max_micro_batches": 2.5}, "Received: max_micro_batches=2.5"),
+    ({"max_micro_batches": True}, "Received: max_micro_batches=True"),
+    ({"mode": "halve"}, "Received: mode='halve'"),
+    ({"mode": "Accumulate"}, "Received: mode='Accumulate'"),
+    ({"mode": None}, "Received: mode=None"),
+]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message", BAD_ARGUMENTS, ids=[repr(k) for k, _ in BAD_ARGUMENTS]
+)
+def test_bad_argument_is_refused_naming_it_and_echoing_the_value(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        keras_memguard.MemoryGuard(**kwargs)
+    assert message in str(info.value)
+    name = next(iter(kwargs)) if len(kwargs) == 1 else "release"
+    assert f"`{name}`" in str(info.value)
+
+
+def test_refused_arguments_leave_a_trained_model_training_on():
+    x, y = make_data()
+    model = make_model()
+    twin = make_model()
+    model.fit(x, y, batch_size=50, verbose=0)
+    twin.fit(x, y, batch_size=50, verbose=0)
+    weights = model.get_weights()
+    train_function = model.train_function
+    for kwargs, _ in BAD_ARGUMENTS:
+        with pytest.raises(ValueError):
+            model.fit(x, y, batch_size=50, verbose=0,
+                      callbacks=[keras_memguard.MemoryGuard(**kwargs)])
+    assert_weights_equal(model, weights, atol=0)
+    assert model.train_function is train_function
+    # It trains on exactly as a model that never saw the refusals.
+    history = model.fit(x, y, batch_size=50, verbose=0)
+    twin.fit(x, y, batch_size=50, verbose=0)
+    assert history.history["samples"] == [200.0]
+    assert_weights_equal(model, twin.get_weights(), atol=0)
+
+
+# --- steps_per_execution > 1: the replay loops in Python. ---
+
+
+@tiny_limit
+def test_steps_per_execution_three_with_a_batch_count_not_divisible_by_three():
+    x, y = make_data(200)  # 10 batches of 20: executions of 3, 3, 3 and 1
+    val_x, val_y = make_data(100, seed=2)  # 5 batches: executions of 3 and 2
+    limit = forcing_limit(make_model(steps_per_execution=3), x, y, batch_size=20)
+    model = make_model(steps_per_execution=3)
+    plain = make_model(steps_per_execution=3)
+    ends = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: ends.append(batch)
+    )
+    guard = keras_memguard.MemoryGuard(memory_limit=limit, cooldown=1000)
+    history = model.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0,
+                        validation_data=(val_x, val_y), callbacks=[guard, record])
+    expected = plain.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0,
+                         validation_data=(val_x, val_y))
+    assert guard.micro_batches >= 2
+    assert history.history["samples"] == [200.0, 200.0]
+    assert history.history["val_samples"] == [100.0, 100.0]
+    assert int(model.optimizer.iterations.numpy()) == 20
+    # Keras reports once per execution.
+    assert len(ends) == 2 * 4
+    assert_weights_equal(model, plain.get_weights())
+    np.testing.assert_allclose(
+        history.history["val_loss"], expected.history["val_loss"], rtol=1e-5
+    )
+
+
+# --- XLA (jit_compile=True). ---
+
+
+@tiny_limit
+def test_jit_compiled_model_trains_and_evaluates_like_plain_xla_training():
+    x, y = make_data(160)
+    val_x, val_y = make_data(50, seed=2)
+    limit = forcing_limit(make_model(jit_compile=True), x, y, batch_size=32)
+    model = make_model(jit_compile=True)
+    assert model.jit_compile is True
+    plain = make_model(jit_compile=True)
+    guard = keras_memguard.MemoryGuard(memory_limit=limit, cooldown=1000)
+    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+                        validation_data=(val_x, val_y), callbacks=[guard])
+    expected = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+                         validation_data=(val_x, val_y))
+    assert guard.micro_batches >= 2
+    assert history.history["samples"] == [160.0, 160.0]
+    assert history.history["val_samples"] == [50.0, 50.0]
+    assert_weights_equal(model, plain.get_weights())
+    np.testing.assert_allclose(
+        history.history["val_loss"], expected.history["val_loss"], rtol=1e-5
+    )
+    # Evaluation in slices (as after an out-of-memory error) under XLA too.
+    whole = model.evaluate(val_x, val_y, batch_size=32, verbose=0, return_dict=True)
+    sliced = ReplayTestFunction(model, micro_batches=3)
+    sliced.install()
+    try:
+        got = model.evaluate(val_x, val_y, batch_size=32, verbose=0, return_dict=True)
+    finally:
+        sliced.restore()
+    assert got["samples"] == whole["samples"] == 50.0
+    assert got["loss"] == pytest.approx(whole["loss"], rel=1e-5)
+
+
+# --- Refusals at fit start: named, explained, nothing changed. ---
+
+
+def test_own_train_step_without_the_mixin_is_refused_and_the_model_trains_on():
+    class Custom(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((12,))
+    model = Custom(inputs, keras.layers.Dense(1)(inputs))
+    model.compile("sgd", "mse", metrics=[SampleCount()])
+    x, y = make_data()
+    model.fit(x, y, batch_size=50, verbose=0)
+    weights = model.get_weights()
+    train_function = model.train_function
+    with pytest.raises(keras_memguard.UnsupportedTrainingSetupError) as info:
+        model.fit(x, y, verbose=0, callbacks=[keras_memguard.MemoryGuard(memory_limit=1 << 30)])
+    message = str(info.value)
+    assert "MemoryGuard cannot micro-batch Custom" in message
+    assert "HINT" in message and "class Custom(MemGuardMixin, ...)" in message
+    assert_weights_equal(model, weights, atol=0)
+    assert model.train_function is train_function
+    history = model.fit(x, y, batch_size=50, verbose=0)
+    assert history.history["samples"] == [200.0]
+
+
+def test_no_resolvable_memory_limit_is_refused_and_the_model_trains_on(monkeypatch):
+    monkeypatch.delenv("TF_CPU_BFC_MEM_LIMIT_IN_MB")
+    monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC")
+    model = make_model()
+    x, y = make_data()
+    model.fit(x, y, batch_size=50, verbose=0)
+    weights = model.get_weights()
+    train_function = model.train_function
+    with pytest.warns(UserWarning):
+        with pytest.raises(keras_memguard.MemoryLimitUnknownError) as info:
+            model.fit(x, y, verbose=0, callbacks=[keras_memguard.MemoryGuard()])
+    message = str(info.value)
+    assert "no memory limit is known for CPU:0" in message
+    assert "HINT: pass `memory_limit=<bytes>`" in message
+    assert "TF_CPU_BFC_MEM_LIMIT_IN_MB" in message
+    assert_weights_equal(model, weights, atol=0)
+    assert model.train_function is train_function
+    history = model.fit(x, y, batch_size=50, verbose=0)
+    assert history.history["samples"] == [200.0]
+    # A limit given by hand is enough.
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30)
+    history = model.fit(x, y, batch_size=50, verbose=0, callbacks=[guard])
+    assert history.history["samples"] == [200.0]
+
+
+# --- Datasets of unknown length. ---
+
+
+@tiny_limit
+@pytest.mark.parametrize("source", ["filter", "generator"])
+def test_dataset_of_unknown_length_trains_every_sample_once_per_epoch(source):
+    x, y = make_data(210)  # 10 batches of 20 and one of 10
+
+    def dataset(known_length=False):
+        data = tf.data.Dataset.from_tensor_slices((x, y))
+        if known_length:
+            return data.batch(20)
+        if source == "filter":
+            data = data.filter(lambda a, b: True)
+        else:
+            data = tf.data.Dataset.from_generator(
+                lambda: iter(zip(x, y)),
+                output_signature=(
+                    tf.TensorSpec((12,), tf.float32),
+                    tf.TensorSpec((1,), tf.float32),
+                ),
+            )
+        return data.batch(20)
+
+    assert dataset().cardinality() == tf.data.UNKNOWN_CARDINALITY
+    limit = forcing_limit(make_model(), x, y, batch_size=20)
+    model = make_model()
+    guard = keras_memguard.MemoryGuard(memory_limit=limit, cooldown=1000)
+    history = model.fit(dataset(), epochs=2, verbose=0, callbacks=[guard],
+                        validation_data=dataset())
+    assert guard.micro_batches >= 2
+    assert history.history["samples"] == [210.0, 210.0]
+    assert history.history["val_samples"] == [210.0, 210.0]
+    # One update per batch. (Keras' own train function, at the end of data
+    # of unknown length, counts one optimizer iteration more per epoch:
+    # 24 here, and different Adam steps.)
+    assert int(model.optimizer.iterations.numpy()) == 2 * 11
+    # The reference: the same batches with a known length.
+    plain = make_model()
+    plain.fit(dataset(known_length=True), epochs=2, verbose=0)
+    assert int(plain.optimizer.iterations.numpy()) == 2 * 11
+    assert_weights_equal(model, plain.get_weights())
+
+
+# --- Batches that cannot be split. ---
+
+
+def test_batches_of_one_sample_are_never_split_however_high_the_usage(caplog):
+    x, y = make_data(12)
+    model = make_model()
+    plain = make_model()
+    # Every batch reads far above the threshold at this limit.
+    with pytest.warns(UserWarning, match="under 1 MiB"):
+        guard = keras_memguard.MemoryGuard(memory_limit=1024, cooldown=1)
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(logs.get("micro_batches"))
+    )
+    with caplog.at_level(logging.INFO, logger="keras_memguard"):
+        history = model.fit(x, y, batch_size=1, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[guard, record])
+    plain.fit(x, y, batch_size=1, epochs=2, shuffle=False, verbose=0)
+    assert seen == [1] * 24
+    assert guard.micro_batches == 1
+    assert history.history["samples"] == [12.0, 12.0]
+    assert not [r for r in caplog.records if "micro-batches 1 -> 2" in r.getMessage()]
+    assert_weights_equal(model, plain.get_weights())
+
+
+# --- NVML that fails in the middle of a run. ---
+
+
+def fake_pynvml(fail_after):
+    """A `pynvml` with one GPU whose memory query fails after `fail_after` calls.
+
+    Errors are real `pynvml.NVMLError`s, as NVML raises them.
+    """
+    fake = types.ModuleType("pynvml")
+    fake.NVMLError = pynvml.NVMLError
+    fake.memory_calls = 0
+    fake.nvmlInit = lambda: None
+    fake.nvmlShutdown = lambda: None
+    fake.nvmlDeviceGetCount = lambda: 1
+
+    def handle_by_index(index):
+        if index != 0:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return ("gpu", 0)
+
+    def memory_info(handle):
+        fake.memory_calls += 1
+        if fake.memory_calls > fail_after:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return types.SimpleNamespace(total=16 * 2**30, used=6 * 2**30, free=10 * 2**30)
+
+    fake.nvmlDeviceGetHandleByIndex = handle_by_index
+    fake.nvmlDeviceGetMemoryInfo = memory_info
+    fake.nvmlDeviceGetComputeRunningProcesses = lambda handle: []
+    fake.nvmlDeviceGetUtilizationRates = lambda handle: types.SimpleNamespace(gpu=37, memory=5)
+    return fake
+
+
+def test_nvml_query_failing_mid_run_is_logged_once_and_training_goes_on(
+    monkeypatch, caplog, tmp_path
+):
+    fake = fake_pynvml(fail_after=3)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    x, y = make_data(200)
+    model = make_model()
+    monitor = keras_memguard.MemoryMonitor(log_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
+        history = model.fit(x, y, batch_size=50, epochs=2, verbose=0, callbacks=[monitor])
+    assert history.history["samples"] == [200.0, 200.0]
+    assert fake.memory_calls > 3  # it was asked again after failing
+    failures = [r.getMessage() for r in caplog.records if "NVML could not read" in r.getMessage()]
+    assert len(failures) == 1, failures
+    assert "memory info of gpu0" in failures[0] and "HINT" in failures[0]
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "memguard"))
+    acc.Reload()
+    steps = list(range(1, 9))
+    # The allocator's scalars, every batch, before and after the failure.
+    assert [p.step for p in acc.Scalars("memory/cpu0/peak_mib")] == steps
+    assert [p.step for p in acc.Scalars("memory/cpu0/current_mib")] == steps
+    # NVML: memory until it failed, utilization throughout.
+    assert [p.step for p in acc.Scalars("memory/gpu0/nvml_used_mib")] == [1, 2, 3]
+    assert [p.step for p in acc.Scalars("utilization/gpu0/gpu_percent")] == steps
+    assert history.history["memory_peak_mib"][-1] > 0
