@@ -16,6 +16,7 @@ from keras_memguard.probes.tf_allocator import AllocatorProbe
 from keras_memguard.sinks import tensorboard as tb
 from keras_memguard.training import multi_worker
 from keras_memguard.training.eval_replay import ReplayTestFunction
+from keras_memguard.training.micro_batch import validate_micro_batches
 from keras_memguard.training.mixin import MemGuardMixin
 from keras_memguard.training.replay import ReplayTrainFunction
 
@@ -144,15 +145,7 @@ class MemoryGuard(keras.callbacks.Callback):
         self.scale_learning_rate = scale_learning_rate
         self.log_dir = log_dir
         self.backup_dir = backup_dir
-        if (
-            isinstance(micro_batches, bool)
-            or not isinstance(micro_batches, int)
-            or micro_batches < 1
-        ):
-            raise ValueError(
-                "`micro_batches` must be an integer >= 1. "
-                f"Received: micro_batches={micro_batches!r}"
-            )
+        validate_micro_batches(micro_batches)
         if max_micro_batches is not None and micro_batches > max_micro_batches:
             raise ValueError(
                 "`micro_batches` must not exceed `max_micro_batches`. Received: "

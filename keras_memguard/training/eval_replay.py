@@ -44,6 +44,7 @@ from keras.src.backend.tensorflow.trainer import reduce_per_replica
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.training.micro_batch import validate_micro_batches
 from keras_memguard.training.replay import batch_size_of
+from keras_memguard.training.replay import run_execution
 
 
 class ReplayTestFunction:
@@ -163,16 +164,7 @@ class ReplayTestFunction:
             self._iterator = _reference(iterator)
             self._saved = None
         try:
-            logs = None
-            for _ in range(self.model.steps_per_execution):
-                try:
-                    data = iterator.get_next()
-                except tf.errors.OutOfRangeError:
-                    if logs is None:
-                        raise
-                    break
-                logs = self.run(data)
-            return logs
+            return run_execution(self.model, iterator, self.run)
         except tf.errors.OutOfRangeError:
             raise  # The end of the data, not a failure.
         except BaseException:

@@ -79,6 +79,7 @@ from keras_memguard.training.micro_batch import accumulate_gradients
 from keras_memguard.training.micro_batch import validate_micro_batches
 from keras_memguard.training.micro_batch import validate_mode
 from keras_memguard.training.replay import batch_size_of
+from keras_memguard.training.replay import run_execution
 
 
 # Put in the message reported to the cluster, so that the peers whose
@@ -463,16 +464,7 @@ class MultiWorkerTrainFunction:
         return self.largest_batch_size
 
     def __call__(self, iterator):
-        logs = None
-        for _ in range(self.model.steps_per_execution):
-            try:
-                data = iterator.get_next()
-            except tf.errors.OutOfRangeError:
-                if logs is None:
-                    raise
-                break
-            logs = self.run(data)
-        return logs
+        return run_execution(self.model, iterator, self.run)
 
     def run(self, data):
         """Trains on one batch on every worker, replaying it on OOM.

@@ -52,16 +52,7 @@ class ReplayTrainFunction:
         return step_function(self.model, micro_batches, self.mode)
 
     def __call__(self, iterator):
-        logs = None
-        for _ in range(self.model.steps_per_execution):
-            try:
-                data = iterator.get_next()
-            except tf.errors.OutOfRangeError:
-                if logs is None:
-                    raise
-                break
-            logs = self.run(data)
-        return logs
+        return run_execution(self.model, iterator, self.run)
 
     def run(self, data):
         """Trains on one batch, replaying it with more micro-batches on OOM.
@@ -94,6 +85,26 @@ class ReplayTrainFunction:
                 if self.on_out_of_memory is None:
                     raise
                 self.micro_batches = self.on_out_of_memory(batch_size, micro_batches, error)
+
+
+def run_execution(model, iterator, run):
+    """Runs `run(batch)` on up to `steps_per_execution` batches of `iterator`.
+
+    Each batch is pulled eagerly before `run` sees it, so a failing call
+    keeps its batch. Returns the last call's logs, as Keras' own functions
+    do, and lets the iterator's end-of-data error through when no batch was
+    left at all.
+    """
+    logs = None
+    for _ in range(model.steps_per_execution):
+        try:
+            data = iterator.get_next()
+        except tf.errors.OutOfRangeError:
+            if logs is None:
+                raise
+            break
+        logs = run(data)
+    return logs
 
 
 def build_training_state(model, data):
