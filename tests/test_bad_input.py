@@ -18,24 +18,12 @@ import keras
 import tensorflow as tf
 
 import keras_memguard
+from helpers import SampleCount
 from keras_memguard.training.eval_replay import ReplayTestFunction
 from tensorboard.backend.event_processing import event_accumulator
 
 MIB = 1024 * 1024
 
-
-class SampleCount(keras.metrics.Metric):
-    """Counts the samples a metric update sees: none lost, none twice."""
-
-    def __init__(self, name="samples", **kwargs):
-        super().__init__(name=name, **kwargs)
-        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
-
-    def update_state(self, y_true, y_pred, sample_weight=None):
-        self.count.assign_add(tf.cast(tf.shape(y_true)[0], "float32"))
-
-    def result(self):
-        return self.count * 1.0
 
 
 def make_model(seed=0, **compile_kwargs):
