@@ -9,9 +9,34 @@ import keras_memguard
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
-def test_all_is_sorted_and_complete():
-    assert keras_memguard.__all__ == sorted(keras_memguard.__all__)
+# The public API, written out: adding, removing or renaming a public name
+# is a decision, so it must change this list too.
+PUBLIC_API = [
+    "AllocatorProbe",
+    "AllocatorSample",
+    "DistributedOutOfMemoryError",
+    "MemGuardError",
+    "MemGuardMixin",
+    "MemoryGuard",
+    "MemoryLimitUnknownError",
+    "MemoryMonitor",
+    "MicroBatchTooLargeError",
+    "NvmlProbe",
+    "NvmlSample",
+    "UnsupportedTrainingSetupError",
+    "prepare_multi_worker",
+]
+
+
+def test_all_is_the_pinned_public_api():
+    assert PUBLIC_API == sorted(PUBLIC_API)
+    assert keras_memguard.__all__ == PUBLIC_API
+
+
+def test_every_public_name_resolves_and_is_listed_by_dir():
+    listed = dir(keras_memguard)
     for name in keras_memguard.__all__:
+        assert name in listed, name
         assert hasattr(keras_memguard, name), name
 
 
