@@ -95,7 +95,7 @@ class ClippedNet(keras_memguard.MemGuardMixin, keras.Model):
         return self.dense(self.pool(self.conv(x)))
 
     def train_step(self, data):
-        from keras_memguard.training.micro_batch import accumulate_gradients
+        from keras_memguard.training import accumulate_gradients
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         result = accumulate_gradients(self, data, self.micro_batches)
         gradients = [tf.clip_by_norm(g, 1.0) for g in result.gradients]

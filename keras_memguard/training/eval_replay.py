@@ -37,14 +37,12 @@ import weakref
 import tensorflow as tf
 from keras import tree
 
-# Private Keras helper, used exactly as `_make_function` uses it (checked
-# against Keras 3.15).
-from keras.src.backend.tensorflow.trainer import reduce_per_replica
-
 from keras_memguard.errors import UnsupportedTrainingSetupError
-from keras_memguard.training.micro_batch import validate_micro_batches
+from keras_memguard.training import compat
 from keras_memguard.training.replay import batch_size_of
 from keras_memguard.training.replay import run_execution
+from keras_memguard.training.splitting import validate_micro_batches
+from keras_memguard.training.step import cached_function
 
 
 class ReplayTestFunction:
@@ -215,7 +213,7 @@ class ReplayTestFunction:
                 self.samples_done += size
         if logs is not None and self.micro_batches > 1 and _per_call_variables(self.model):
             # The step's own logs predate the reweighing above.
-            logs = self.model._get_metrics_result_or_logs(logs)
+            logs = compat.metrics_result_or_logs(self.model, logs)
         return logs
 
     def _raise_micro_batches(self, batch_size, failed_size, error):
@@ -321,8 +319,7 @@ def _per_call_variables(model):
     at trace time, which is unknown here (as in Keras' own test function):
     one update of weight 1 per call.
     """
-    compile_loss = getattr(model, "_compile_loss", None)
-    metrics = getattr(compile_loss, "metrics", None) or ()
+    metrics = compat.per_output_loss_metrics(model)
     return {id(variable) for metric in metrics for variable in metric.variables}
 
 
@@ -361,7 +358,7 @@ def _relaxed_spec(data):
             return None
         spec = tf.type_spec_from_value(item)
         if spec.shape.rank:
-            spec = spec._unbatch()._batch(None)
+            spec = compat.with_unknown_batch_size(spec)
         return spec
 
     return tree.map_structure(relax, data)
@@ -399,7 +396,7 @@ class _TestStep:
             model = model_ref()
             # As Keras' `_make_function` does for `model.test_step`.
             outputs = model.distribute_strategy.run(model.test_step, args=(data,))
-            outputs = reduce_per_replica(
+            outputs = compat.reduce_per_replica(
                 outputs, model.distribute_strategy, reduction="auto"
             )
             variables = list(model.metrics_variables)
@@ -426,11 +423,6 @@ class _TestStep:
         return logs, list(zip(self.variables, values))
 
 
-# model -> (what the step was compiled against, step). Kept across
-# evaluations so that the step is traced once per compile.
-_step_cache = weakref.WeakKeyDictionary()
-
-
 def test_step_function(model):
     """Returns the model's cached compiled one-batch test step.
 
@@ -445,13 +437,4 @@ def test_step_function(model):
         `(logs, saved)`: Keras' test-step logs and the metric variables with
         their values after the step.
     """
-    compiled_with = (
-        getattr(model, "_compile_loss", None),
-        getattr(model, "_compile_metrics", None),
-        model.run_eagerly,
-        model.jit_compile,
-    )
-    entry = _step_cache.get(model)
-    if entry is None or any(a is not b for a, b in zip(entry[0], compiled_with)):
-        entry = _step_cache[model] = (compiled_with, _TestStep(model))
-    return entry[1]
+    return cached_function(model, ("test",), lambda: _TestStep(model))

@@ -1,11 +1,11 @@
 """`MemGuardMixin`: a micro-batched `train_step` for Keras model classes."""
 
-import tensorflow as tf
-
-from keras_memguard.training.micro_batch import make_step_function
-from keras_memguard.training.micro_batch import micro_batch_train_step
-from keras_memguard.training.micro_batch import validate_micro_batches
-from keras_memguard.training.micro_batch import validate_mode
+from keras_memguard.training import accumulation
+from keras_memguard.training.replay import run_execution
+from keras_memguard.training.splitting import validate_micro_batches
+from keras_memguard.training.splitting import validate_mode
+from keras_memguard.training.step import micro_batch_train_step
+from keras_memguard.training.step import step_function
 
 
 def _set_private(model, name, value):
@@ -23,16 +23,7 @@ def _iterator_function(model, step):
     """
 
     def train_function(iterator):
-        logs = None
-        for _ in range(model.steps_per_execution):
-            try:
-                data = next(iterator)
-            except (StopIteration, tf.errors.OutOfRangeError):
-                break
-            logs = step(data)
-        if logs is None:
-            raise StopIteration
-        return logs
+        return run_execution(model, iterator, step)
 
     return train_function
 
@@ -59,7 +50,7 @@ class MemGuardMixin:
     Both attributes may be changed between batches (for example by a
     callback): the next batch uses them. One compiled step is kept per
     `(micro_batches, mode)`, built with
-    `keras_memguard.training.micro_batch.make_step_function`; powers of two
+    `keras_memguard.training.make_step_function`; powers of two
     keep their number small. The train function pulls each batch from the
     iterator, then runs the compiled step on it (with `steps_per_execution
     > 1`, that many batches in a Python loop). Models
@@ -68,24 +59,37 @@ class MemGuardMixin:
     nothing to `get_config()`: saving and loading work as for the model
     without it, and a loaded model starts again with `micro_batches=1`.
 
-    To micro-batch a custom `train_step`, call `accumulate_gradients` with
-    `self.micro_batches` and run the state updates under
-    `tf.control_dependencies(result.control_inputs())` (see the recipe in
-    `keras_memguard.training.micro_batch`):
+    A `train_step` of your own (the keras-io VAE pattern, a GAN, gradient
+    clipping) micro-batches through `self.accumulate_gradients(data,
+    compute_loss)`, where `compute_loss(x, y, sample_weight)` runs ONE
+    micro-batch and returns its mean loss, or `(loss, extras)` with a dict
+    of scalar means to combine the same way. Run the state updates under
+    `tf.control_dependencies(result.control_inputs())`, so that a step that
+    runs out of memory changes nothing. An override that keeps its own
+    `tf.GradientTape` over the whole batch cannot be split: at
+    `micro_batches > 1` it is refused with `UnsupportedTrainingSetupError`.
 
     ```python
-    class MyModel(MemGuardMixin, keras.Model):
+    class VAE(MemGuardMixin, keras.Model):
         def train_step(self, data):
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-            result = accumulate_gradients(self, data, self.micro_batches)
+            def compute_loss(x, y, sample_weight):
+                z_mean, z_log_var, z = self.encoder(x)
+                reconstruction = self.decoder(z)
+                rec = ops.mean(ops.sum(
+                    keras.losses.binary_crossentropy(x, reconstruction),
+                    axis=(1, 2)))
+                kl = ops.mean(ops.sum(-0.5 * (
+                    1 + z_log_var - ops.square(z_mean) - ops.exp(z_log_var)),
+                    axis=1))
+                return rec + kl, {"reconstruction_loss": rec, "kl_loss": kl}
+
+            result = self.accumulate_gradients(data, compute_loss)
             with tf.control_dependencies(result.control_inputs()):
-                self._loss_tracker.update_state(
-                    result.loss, sample_weight=result.batch_size
-                )
                 self.optimizer.apply(result.gradients, self.trainable_weights)
-                return self.compute_metrics(
-                    x, y, result.y_pred, sample_weight=sample_weight
-                )
+                self.total_loss_tracker.update_state(result.loss)
+                self.kl_loss_tracker.update_state(result.extras["kl_loss"])
+                ...
+                return {m.name: m.result() for m in self.metrics}
     ```
 
     Attributes:
@@ -159,6 +163,48 @@ class MemGuardMixin:
             self, data, self.micro_batches, self.micro_batch_mode
         )
 
+    def accumulate_gradients(self, data, compute_loss=None, variables=None):
+        """Computes a batch's gradients over `self.micro_batches` micro-batches.
+
+        For a `train_step` of your own: see
+        `keras_memguard.training.accumulate_gradients`, which this calls
+        with `self.micro_batches`.
+
+        Args:
+            data: The batch, as `train_step` receives it.
+            compute_loss: `compute_loss(x, y, sample_weight)`, run on one
+                micro-batch, returning its mean loss or `(loss, extras)`
+                (extras: a dict of scalar means). `None` uses the model's
+                own forward pass and compiled loss (and keeps the whole
+                batch's outputs in `result.y_pred`). Defaults to `None`.
+            variables: The variables to differentiate. Defaults to
+                `self.trainable_weights`.
+
+        Returns:
+            An `AccumulatedGradients` tuple: `gradients`, `loss` (the whole
+            batch's mean), `extras`, `y_pred`, `batch_size` and
+            `control_inputs()`.
+
+        Raises:
+            ValueError: If `compute_loss` returns something other than a
+                scalar loss or `(loss, extras)`.
+
+        Example:
+
+        ```python
+        result = self.accumulate_gradients(data, compute_loss)
+        with tf.control_dependencies(result.control_inputs()):
+            self.optimizer.apply(result.gradients, self.trainable_weights)
+        ```
+        """
+        return accumulation.accumulate_gradients(
+            self,
+            data,
+            self.micro_batches,
+            compute_loss=compute_loss,
+            variables=variables,
+        )
+
     def make_train_function(self, force=False):
         """Sets `train_function` to the compiled step of the current `k`.
 
@@ -206,7 +252,7 @@ class MemGuardMixin:
         if key not in cache:
             # Cheap: tracing happens on the first call.
             cache[key] = _iterator_function(
-                self, make_step_function(self, micro_batches, mode)
+                self, step_function(self, micro_batches, mode)
             )
         return cache[key]
 

@@ -60,26 +60,25 @@ over all workers before the policy decides, so every worker changes `k` at
 the same step.
 """
 
-import types
-
 import keras
 import tensorflow as tf
 from keras import tree
-from tensorflow.python.eager import context
 
 from keras_memguard.errors import DistributedOutOfMemoryError
 from keras_memguard.errors import UnsupportedTrainingSetupError
 
-# Package-internal step pieces, used as the single-process step uses them.
-from keras_memguard.training.micro_batch import _build_metrics
-from keras_memguard.training.micro_batch import _build_optimizer
-from keras_memguard.training.micro_batch import _finish_step
-from keras_memguard.training.micro_batch import _warn_batch_statistics_once
-from keras_memguard.training.micro_batch import accumulate_gradients
-from keras_memguard.training.micro_batch import validate_micro_batches
-from keras_memguard.training.micro_batch import validate_mode
+from keras_memguard.training import compat
+from keras_memguard.training.accumulation import accumulate_gradients
+from keras_memguard.training.accumulation import build_metrics
 from keras_memguard.training.replay import batch_size_of
 from keras_memguard.training.replay import run_execution
+from keras_memguard.training.splitting import validate_micro_batches
+from keras_memguard.training.splitting import validate_mode
+from keras_memguard.training.step import build_optimizer
+from keras_memguard.training.step import cached_function
+from keras_memguard.training.step import finish_step
+from keras_memguard.training.step import trains_with_own_step
+from keras_memguard.training.step import warn_batch_statistics_once
 
 
 # Put in the message reported to the cluster, so that the peers whose
@@ -105,7 +104,7 @@ def is_multi_worker(strategy):
     """
     return isinstance(
         strategy, tf.distribute.MultiWorkerMirroredStrategy
-    ) and bool(strategy.extended._in_multi_worker_mode())
+    ) and compat.in_multi_worker_mode(strategy)
 
 
 def worker_index(strategy):
@@ -219,42 +218,18 @@ def prepare_multi_worker(model):
         return model
     if getattr(model, _PREPARED_ATTR, False):
         return model
-    trainer_class = _tf_trainer_class()
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        if iterator is not None:
-            for _, _, batches in iterator:
-                data_batch = first_local_batch(
-                    self.distribute_strategy, next(batches)
-                )
-                break
-        with self.distribute_strategy.scope():
-            self._symbolic_build(data_batch=data_batch)
-
-    def _make_function(self, step_function):
-        def step_with_leading_axis(data):
-            return with_leading_axis(step_function(data))
-
-        return trainer_class._make_function(self, step_with_leading_axis)
-
-    # object.__setattr__: plain instance attributes, not tracked state.
-    object.__setattr__(
-        model, "_maybe_symbolic_build", types.MethodType(_maybe_symbolic_build, model)
-    )
-    object.__setattr__(
-        model, "_make_function", types.MethodType(_make_function, model)
+    compat.override_build_and_make_function(
+        model,
+        to_build_batch=lambda batch: first_local_batch(
+            model.distribute_strategy, batch
+        ),
+        wrap_step=lambda step: lambda data: with_leading_axis(step(data)),
     )
     object.__setattr__(model, _PREPARED_ATTR, True)
     # Functions built before this call would still reduce the Keras way.
     model.train_function = None
     model.test_function = None
     return model
-
-
-def _tf_trainer_class():
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    return TensorFlowTrainer
 
 
 def agree_max(strategy, values):
@@ -365,7 +340,7 @@ def _report_and_raise(strategy, error):
     """Aborts every worker's collectives, then raises the package error."""
     worker = worker_index(strategy)
     try:
-        context.context().report_error_to_cluster(
+        compat.report_error_to_cluster(
             tf.errors.ABORTED, f"{_ABORT_MARKER} {worker}: {error.message}"
         )
     except Exception:  # noqa: BLE001 - the peers still fail when we exit.
@@ -393,10 +368,7 @@ def _on_replica_device(gradient):
 
 def _splittable(model):
     """Tells whether the model trains with keras_memguard's own step."""
-    from keras_memguard.training.mixin import MemGuardMixin
-
-    step = type(model).train_step
-    return step is keras.Model.train_step or step is MemGuardMixin.train_step
+    return not trains_with_own_step(model)
 
 
 class MultiWorkerTrainFunction:
@@ -446,9 +418,6 @@ class MultiWorkerTrainFunction:
         self.splittable = _splittable(model)
         self.last_batch_size = None
         self.largest_batch_size = None
-        self._local_steps = {}
-        self._apply_step = None
-        self._whole_steps = {}
 
 
     # The guard splits each replica's part of the batch; this worker's data
@@ -537,9 +506,13 @@ class MultiWorkerTrainFunction:
             raise
 
     def _whole_step(self, micro_batches):
-        step = self._whole_steps.get(micro_batches)
-        if step is not None:
-            return step
+        return cached_function(
+            self.model,
+            ("multi_worker_whole", micro_batches, self.mode),
+            lambda: self._build_whole_step(micro_batches),
+        )
+
+    def _build_whole_step(self, micro_batches):
         strategy = self.strategy
         train_step = self.model._memguard_train_step_for(micro_batches, self.mode)
 
@@ -550,51 +523,47 @@ class MultiWorkerTrainFunction:
         def whole_step(data):
             return reduce_logs(strategy.run(replica_step, args=(data,)), strategy)
 
-        self._whole_steps[micro_batches] = whole_step
         return whole_step
 
     def _local_step(self, micro_batches):
-        step = self._local_steps.get(micro_batches)
-        if step is not None:
-            return step
+        return cached_function(
+            self.model,
+            ("multi_worker_local", micro_batches),
+            lambda: self._build_local_step(micro_batches),
+        )
+
+    def _build_local_step(self, micro_batches):
         model = self.model
         strategy = self.strategy
 
         def local(data):
-            _warn_batch_statistics_once(model, micro_batches)
-            _build_optimizer(model)
-            result = accumulate_gradients(model, data, micro_batches)
-            return (result.gradients, result.y_pred, result.loss, result.batch_size)
+            warn_batch_statistics_once(model, micro_batches)
+            build_optimizer(model)
+            return accumulate_gradients(model, data, micro_batches)
 
         @tf.function(reduce_retracing=True)
         def local_step(data):
             return strategy.run(local, args=(data,))
 
-        self._local_steps[micro_batches] = local_step
         return local_step
 
     def _apply(self):
-        if self._apply_step is not None:
-            return self._apply_step
+        return cached_function(self.model, ("multi_worker_apply",), self._build_apply)
+
+    def _build_apply(self):
         model = self.model
         strategy = self.strategy
 
         def apply(data, result):
-            gradients, y_pred, loss, batch_size = result
             # Function inputs carry no device; the all-reduce needs one.
-            gradients = [_on_replica_device(g) for g in gradients]
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-            _build_metrics(model, y, y_pred)
-            return with_leading_axis(
-                _finish_step(
-                    model, x, y, sample_weight, y_pred, loss, batch_size, gradients
-                )
-            )
+            gradients = [_on_replica_device(g) for g in result.gradients]
+            _, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            build_metrics(model, y, result.y_pred)
+            return with_leading_axis(finish_step(model, data, result, gradients))
 
         @tf.function(reduce_retracing=True)
         def apply_step(data, result):
             logs = strategy.run(apply, args=(data, result))
             return reduce_logs(logs, strategy)
 
-        self._apply_step = apply_step
         return apply_step

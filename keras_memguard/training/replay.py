@@ -15,7 +15,8 @@ passes through unchanged.
 import tensorflow as tf
 from keras import tree
 
-from keras_memguard.training.micro_batch import make_step_function
+from keras_memguard.training.step import build_training_state
+from keras_memguard.training.step import step_function
 
 
 class ReplayTrainFunction:
@@ -96,53 +97,18 @@ def run_execution(model, iterator, run):
     left at all.
     """
     logs = None
+    # A `tf.data` iterator, or a plain Python iterator (Keras' own loops
+    # pass either, depending on the input and the Keras version).
+    pull = getattr(iterator, "get_next", None) or (lambda: next(iterator))
     for _ in range(model.steps_per_execution):
         try:
-            data = iterator.get_next()
-        except tf.errors.OutOfRangeError:
+            data = pull()
+        except (tf.errors.OutOfRangeError, StopIteration):
             if logs is None:
                 raise
             break
         logs = run(data)
     return logs
-
-
-def build_training_state(model, data):
-    """Creates the model's, metrics' and optimizer's variables before a step.
-
-    Keras defers this to the first traced step when no distribution strategy
-    is set. A first step that runs out of memory must not be the one that
-    creates and initializes state, so it is built symbolically here, as
-    Keras' own `_symbolic_build` does under a strategy.
-    """
-    if isinstance(tree.flatten(data)[0], tf.distribute.DistributedValues):
-        return  # `fit` already built it under the strategy.
-    model._symbolic_build(data_batch=data)
-
-
-_STEP_CACHE_ATTR = "_memguard_step_cache"
-
-
-def step_function(model, micro_batches, mode):
-    """Returns the cached compiled step of `model` for `(micro_batches, mode)`.
-
-    The cache lives on the model (the steps close over it, so a cache
-    elsewhere would keep the model alive) and is kept across `fit` calls, so
-    each `k` is traced once per compile. It is dropped when the model is
-    compiled again (a new optimizer or loss), since a step captures them
-    when traced.
-    """
-    compiled_with = (model.optimizer, getattr(model, "_compile_loss", None))
-    entry = model.__dict__.get(_STEP_CACHE_ATTR)
-    if entry is None or any(a is not b for a, b in zip(entry[0], compiled_with)):
-        entry = (compiled_with, {})
-        # Plain Python state, kept out of Keras' attribute tracking.
-        object.__setattr__(model, _STEP_CACHE_ATTR, entry)
-    steps = entry[1]
-    step = steps.get((micro_batches, mode))
-    if step is None:
-        step = steps[(micro_batches, mode)] = make_step_function(model, micro_batches, mode)
-    return step
 
 
 def batch_size_of(data, strategy=None):

@@ -1,0 +1,283 @@
+"""Every private Keras and TensorFlow name keras_memguard uses, in one place.
+
+keras_memguard trains through the same pieces Keras' own TensorFlow train
+step uses (the compiled loss, the loss tracker, the per-replica reduction).
+Those pieces are private and move between releases, so no other module names
+them: they go through the functions here, which detect what the installed
+version has and raise `UnsupportedTrainingSetupError` naming the versions
+when something is missing. Checked against TensorFlow 2.18 with Keras 3.8
+through TensorFlow 2.21 with Keras 3.15 (`PRIVATE_NAMES` lists each name;
+the test suite resolves every one on both ends).
+"""
+
+import contextlib
+import functools
+import importlib
+import types
+
+import keras
+import tensorflow as tf
+from keras import tree
+
+from keras_memguard.errors import UnsupportedTrainingSetupError
+
+SUPPORTED = "TensorFlow 2.18-2.21 with Keras 3.8-3.15"
+
+# Every private name used, as `(owner, name)`: a module path and one of its
+# attributes, or a class (dotted path) and one of its attributes. Attributes
+# set on instances (a compiled model's `_loss_tracker`, an optimizer's
+# `_learning_rate`) are looked up on a compiled model by the test suite.
+PRIVATE_NAMES = (
+    ("keras.src.backend.tensorflow.trainer", "reduce_per_replica"),
+    ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer"),
+    ("keras.src.losses.loss", "unscale_loss_for_distribution"),
+    ("tensorflow.python.eager.context", "context"),
+    (
+        "tensorflow.python.distribute.collective_all_reduce_strategy",
+        "CollectiveAllReduceExtended",
+    ),
+    ("keras.Model", "_compute_loss"),
+    ("keras.Model", "_symbolic_build"),
+    ("keras.Model", "_maybe_symbolic_build"),
+    ("keras.Model", "_make_function"),
+    ("keras.Model", "_get_metrics_result_or_logs"),
+    ("keras.Model", "_flatten_layers"),
+    ("keras.Model", "_loss_tracker"),
+    ("keras.Model", "_compile_loss"),
+    ("keras.Model", "_compile_metrics"),
+    ("keras.Model", "_call_has_training_arg"),
+    ("keras.optimizers.Optimizer", "_learning_rate"),
+    ("CollectiveAllReduceExtended", "_in_multi_worker_mode"),
+    # Optional: Keras 3.9+ only; `autoconvert_optionals` falls back.
+    ("tensorflow.TypeSpec", "_unbatch"),
+    ("tensorflow.TypeSpec", "_batch"),
+    ("keras.Model", "_autoconvert_optionals"),
+)
+OPTIONAL_NAMES = (("keras.Model", "_autoconvert_optionals"),)
+
+
+def _missing(name, error=None):
+    return UnsupportedTrainingSetupError(
+        f"keras_memguard needs the private {name} of Keras/TensorFlow, which "
+        f"the installed versions lack (Keras {keras.__version__}, "
+        f"TensorFlow {tf.__version__}). Supported: {SUPPORTED}. HINT: install "
+        "a supported pair, e.g. `pip install 'tensorflow-cpu>=2.18,<2.22' "
+        "'keras>=3.8,<3.16'`."
+        + (f" ({error})" if error else "")
+    )
+
+
+def _import_attribute(module, name):
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise _missing(f"`{module}.{name}`", error) from None
+
+
+@functools.cache
+def _trainer_module():
+    return importlib.import_module("keras.src.backend.tensorflow.trainer")
+
+
+def reduce_per_replica(values, strategy, reduction="auto"):
+    """Keras' own per-replica reduction of a step's logs (`reduction="auto"`)."""
+    function = getattr(_trainer_module(), "reduce_per_replica", None)
+    if function is None:
+        raise _missing("`reduce_per_replica`")
+    return function(values, strategy, reduction=reduction)
+
+
+def tensorflow_trainer_class():
+    """Returns Keras' `TensorFlowTrainer` class (the base of `keras.Model`)."""
+    cls = getattr(_trainer_module(), "TensorFlowTrainer", None)
+    if cls is None:
+        raise _missing("`TensorFlowTrainer`")
+    return cls
+
+
+@functools.cache
+def _unscale_function():
+    return _import_attribute(
+        "keras.src.losses.loss", "unscale_loss_for_distribution"
+    )
+
+
+def unscale_loss_for_distribution(loss):
+    """Undoes the loss scaling by replica count, as Keras' train step does."""
+    return _unscale_function()(loss)
+
+
+def autoconvert_optionals(model, function):
+    """Wraps a step so that `tf.experimental.Optional` inputs become `None`.
+
+    Keras 3.9+ does this with `Model._autoconvert_optionals`; Keras 3.8 has
+    no such wrapper (its iterators never yield optionals to the step).
+    """
+    method = getattr(model, "_autoconvert_optionals", None)
+    if method is not None:
+        return method(function)
+
+    @functools.wraps(function)
+    def wrapper(data):
+        return function(
+            tree.map_structure(
+                lambda item: None
+                if isinstance(item, tf.experimental.Optional)
+                else item,
+                data,
+            )
+        )
+
+    return wrapper
+
+
+def _attribute(obj, name):
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise _missing(f"`{type(obj).__name__}.{name}`") from None
+
+
+def compute_loss(model, x, y, y_pred, sample_weight):
+    """The loss the built-in train step computes (compiled loss + `losses`)."""
+    return _attribute(model, "_compute_loss")(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+    )
+
+
+def loss_tracker(model):
+    """The model's `loss` Mean tracker, or `None` when it has none."""
+    return getattr(model, "_loss_tracker", None)
+
+
+def compiled_loss(model):
+    """The model's `CompileLoss`, or `None` without a compiled loss."""
+    return getattr(model, "_compile_loss", None)
+
+
+def compiled_metrics(model):
+    """The model's `CompileMetrics`, or `None` without compiled metrics."""
+    return getattr(model, "_compile_metrics", None)
+
+
+def call_has_training_arg(model):
+    """Whether `model.call` takes a `training` argument."""
+    return bool(getattr(model, "_call_has_training_arg", True))
+
+
+def all_layers(model):
+    """Every layer of `model`, itself included, recursively."""
+    return list(
+        _attribute(model, "_flatten_layers")(include_self=True, recursive=True)
+    )
+
+
+def symbolic_build(model, data):
+    """Creates model, metric and optimizer variables from a batch's specs."""
+    _attribute(model, "_symbolic_build")(data_batch=data)
+
+
+def metrics_result_or_logs(model, logs):
+    """Keras' choice between the metrics' results and a step's logs."""
+    return _attribute(model, "_get_metrics_result_or_logs")(logs)
+
+
+def learning_rate_variable(optimizer):
+    """The optimizer's learning-rate variable, or `None` for a schedule."""
+    value = _attribute(optimizer, "_learning_rate")
+    return value if hasattr(value, "assign") else None
+
+
+def in_multi_worker_mode(strategy):
+    """Whether a `MultiWorkerMirroredStrategy` spans several workers."""
+    return bool(_attribute(strategy.extended, "_in_multi_worker_mode")())
+
+
+def report_error_to_cluster(code, message):
+    """Aborts the collectives of every worker with `code` and `message`."""
+    context = _import_attribute("tensorflow.python.eager.context", "context")
+    context().report_error_to_cluster(code, message)
+
+
+def per_output_loss_metrics(model):
+    """The `<output>_loss` Mean metrics of a multi-output compiled loss.
+
+    Keras' `CompileLoss` updates each of them inside the loss computation,
+    once per call, with the batch size known at trace time as weight.
+    Empty when the compiled loss is not built or has one output.
+    """
+    loss = compiled_loss(model)
+    if loss is None or not getattr(loss, "built", False):
+        return []
+    return list(getattr(loss, "metrics", None) or [])
+
+
+@contextlib.contextmanager
+def recording_per_output_losses(model):
+    """Records the per-output loss updates of `CompileLoss` instead of applying them.
+
+    Inside the block (at trace time), each `<output>_loss` metric's
+    `update_state(value, sample_weight)` appends `value` to a list instead
+    of changing the metric, so a micro-batched step can combine the
+    micro-batches' values and update each metric once, as Keras does for
+    the whole batch.
+
+    Yields:
+        A list with one list per metric, in `per_output_loss_metrics` order,
+        that receives the recorded values.
+    """
+    metrics = per_output_loss_metrics(model)
+    recorded = [[] for _ in metrics]
+    for metric, values in zip(metrics, recorded):
+
+        def record(value, sample_weight=None, _values=values):
+            _values.append(value)
+
+        object.__setattr__(metric, "update_state", record)
+    try:
+        yield recorded
+    finally:
+        for metric in metrics:
+            object.__delattr__(metric, "update_state")
+
+
+def override_build_and_make_function(model, to_build_batch, wrap_step):
+    """Replaces two of Keras' trainer methods on one model instance.
+
+    For `MultiWorkerMirroredStrategy`: `_maybe_symbolic_build` builds from
+    `to_build_batch(first batch)` (Keras reduces a distributed batch across
+    workers there, which fails), and `_make_function` compiles
+    `wrap_step(train_step)` instead of `train_step`. Nothing is saved with
+    the model.
+    """
+    trainer_class = tensorflow_trainer_class()
+    for name in ("_maybe_symbolic_build", "_make_function"):
+        if not hasattr(trainer_class, name):
+            raise _missing(f"`TensorFlowTrainer.{name}`")
+
+    def maybe_symbolic_build(self, iterator=None, data_batch=None):
+        if iterator is not None:
+            for _, _, batches in iterator:
+                data_batch = to_build_batch(next(batches))
+                break
+        with self.distribute_strategy.scope():
+            symbolic_build(self, data_batch)
+
+    def make_function(self, step_function):
+        return trainer_class._make_function(self, wrap_step(step_function))
+
+    # object.__setattr__: plain instance attributes, not tracked state.
+    object.__setattr__(
+        model, "_maybe_symbolic_build", types.MethodType(maybe_symbolic_build, model)
+    )
+    object.__setattr__(
+        model, "_make_function", types.MethodType(make_function, model)
+    )
+
+
+def with_unknown_batch_size(spec):
+    """A batched `tf.TypeSpec` with its batch dimension unknown."""
+    try:
+        return spec._unbatch()._batch(None)
+    except AttributeError:
+        raise _missing("`TypeSpec._unbatch`/`_batch`") from None
