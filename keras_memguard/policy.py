@@ -52,13 +52,18 @@ import numbers
 from typing import NamedTuple, Optional, Tuple
 
 __all__ = [
+    "CANNOT_SPLIT_BATCH_SIZE",
+    "CANNOT_SPLIT_CAP",
     "Decision",
+    "EvalState",
     "PolicyConfig",
     "PolicyState",
     "clamp_micro_batches",
     "decide",
+    "init_eval_state",
     "init_state",
     "make_config",
+    "on_eval_out_of_memory",
     "on_out_of_memory",
     "predict_usage",
     "state_from_dict",
@@ -78,6 +83,10 @@ STATE_FORMAT_VERSION = 1
 _INF_JSON = "inf"
 
 _ACTIONS = ("hold", "increase", "decrease")
+
+# Why an out-of-memory decision cannot split further (`Decision.cannot_split`).
+CANNOT_SPLIT_BATCH_SIZE = "batch_size"
+CANNOT_SPLIT_CAP = "max_micro_batches"
 _INF = math.inf
 
 
@@ -124,6 +133,22 @@ class PolicyState(NamedTuple):
     oom_count: int
 
 
+class EvalState(NamedTuple):
+    """What the evaluation rule remembers; start it with `init_eval_state`.
+
+    Evaluation has its own count: an evaluation batch says nothing about a
+    training step's memory, and the reverse.
+
+    Attributes:
+        micro_batches: The number of slices each evaluation batch is
+            evaluated in.
+        oom_count: Out-of-memory errors seen while evaluating.
+    """
+
+    micro_batches: int
+    oom_count: int
+
+
 class Decision(NamedTuple):
     """The outcome of one policy step.
 
@@ -135,6 +160,11 @@ class Decision(NamedTuple):
             (and for out-of-memory decisions).
         reason: Human-readable explanation, e.g.
             `"peak 93% >= threshold 90%"`.
+        cannot_split: For out-of-memory decisions, why the batch cannot be
+            split further (the caller must raise):
+            `CANNOT_SPLIT_BATCH_SIZE` when micro-batches are already single
+            samples, `CANNOT_SPLIT_CAP` when `max_micro_batches` is reached.
+            `None` otherwise.
     """
 
     micro_batches: int
@@ -142,6 +172,7 @@ class Decision(NamedTuple):
     action: str
     usage: Optional[float]
     reason: str
+    cannot_split: Optional[str] = None
 
     @property
     def changed(self):
@@ -277,6 +308,48 @@ def init_state(micro_batches=1):
     )
 
 
+def init_eval_state(micro_batches=1, oom_count=0):
+    """Returns the evaluation rule's state.
+
+    Args:
+        micro_batches: The slice count to start with, an integer >= 1.
+            Defaults to `1`.
+        oom_count: Out-of-memory errors already seen, an integer >= 0
+            (when restoring). Defaults to `0`.
+
+    Returns:
+        An `EvalState`.
+
+    Raises:
+        ValueError: If an argument is out of range.
+
+    Example:
+
+    >>> init_eval_state()
+    EvalState(micro_batches=1, oom_count=0)
+    """
+    if not _is_int(micro_batches) or micro_batches < 1:
+        raise ValueError(
+            "`micro_batches` must be an integer >= 1. "
+            f"Received: micro_batches={micro_batches!r}"
+        )
+    if not _is_int(oom_count) or oom_count < 0:
+        raise ValueError(
+            "`oom_count` must be an integer >= 0. "
+            f"Received: oom_count={oom_count!r}"
+        )
+    return EvalState(micro_batches=int(micro_batches), oom_count=int(oom_count))
+
+
+def _check_batch_size(batch_size, name="batch_size"):
+    if batch_size is not None and (not _is_int(batch_size) or batch_size < 1):
+        raise ValueError(
+            f"`{name}` must be None or an integer >= 1. "
+            f"Received: {name}={batch_size!r}"
+        )
+    return None if batch_size is None else int(batch_size)
+
+
 def _ratio(a, b):
     """Distance between two micro-batch counts, as a ratio >= 1."""
     return max(a, b) / min(a, b)
@@ -385,15 +458,22 @@ def _percent(value):
     return f"{value:.0%}"
 
 
-def _doubled(config, micro_batches):
-    """`2 * micro_batches` capped by `config.max_micro_batches`, never less."""
+def _doubled(config, micro_batches, batch_size=None):
+    """`2 * micro_batches` capped by `config.max_micro_batches` and
+    `batch_size`, never less than `micro_batches`."""
     target = 2 * micro_batches
     if config.max_micro_batches is not None:
         target = min(target, config.max_micro_batches)
+    if batch_size is not None:
+        target = min(target, batch_size)
     return max(target, micro_batches)
 
 
-def decide(config, state, usage):
+def _samples(count):
+    return f"{count} sample" if count == 1 else f"{count} samples"
+
+
+def decide(config, state, usage, largest_batch_size=None):
     """Decides the micro-batch count for the next batch.
 
     Cheap enough to run after every batch: it touches only the handful of
@@ -406,13 +486,19 @@ def decide(config, state, usage):
         usage: The batch's peak usage, peak bytes over the device limit (may
             exceed 1), measured at `state.micro_batches`; `None` when unknown,
             which holds and interrupts a calm streak.
+        largest_batch_size: The most samples a batch (of one replica) has had
+            so far, or `None` when unknown. More micro-batches than samples
+            would only add empty ones, so an increase stops there (like
+            `max_micro_batches`) and a decrease never lands above it.
+            Defaults to `None`.
 
     Returns:
         A `(Decision, PolicyState)` pair. `Decision.micro_batches` applies
         from the next batch on.
 
     Raises:
-        ValueError: If `usage` is neither `None` nor a number >= 0.
+        ValueError: If `usage` is neither `None` nor a number >= 0, or
+            `largest_batch_size` is neither `None` nor an integer >= 1.
 
     Example:
 
@@ -424,6 +510,7 @@ def decide(config, state, usage):
     >>> decision.reason
     'predicted 60% at 1 micro-batch < release 70% for 1 batch'
     """
+    largest_batch_size = _check_batch_size(largest_batch_size, "largest_batch_size")
     k = state.micro_batches
     since = state.batches_since_change + 1
     if usage is None:
@@ -448,17 +535,20 @@ def decide(config, state, usage):
 
     if usage >= config.threshold:
         above = f"{peak} >= threshold {_percent(config.threshold)}"
-        target = _doubled(config, k)
+        target = _doubled(config, k, largest_batch_size)
         if target == k:
+            if config.max_micro_batches is not None and (
+                largest_batch_size is None
+                or config.max_micro_batches <= largest_batch_size
+            ):
+                why = f"the cap of {_micro(config.max_micro_batches)} is reached"
+            else:
+                why = (
+                    f"micro-batches of one sample are reached (batches of "
+                    f"{_samples(largest_batch_size)})"
+                )
             return (
-                Decision(
-                    k,
-                    k,
-                    "hold",
-                    usage,
-                    f"{above}, but the cap of "
-                    f"{_micro(config.max_micro_batches)} is reached",
-                ),
+                Decision(k, k, "hold", usage, f"{above}, but {why}"),
                 state._replace(
                     batches_since_change=since,
                     calm_batches=0,
@@ -487,6 +577,8 @@ def decide(config, state, usage):
         )
 
     target = max(config.min_micro_batches, k // 2)
+    if largest_batch_size is not None:
+        target = min(target, largest_batch_size)
     updated = state._replace(observations=observations)
     predicted = predict_usage(updated, target)
     release = f"release {_percent(config.release)}"
@@ -535,21 +627,33 @@ def decide(config, state, usage):
     )
 
 
-def on_out_of_memory(config, state):
+def on_out_of_memory(config, state, batch_size=None):
     """Records an out-of-memory error at the current count and raises it.
 
     The count that failed (and every smaller one) is never returned to by
     `decide` in this state. The counters restart, so a decrease needs a full
-    `cooldown` again.
+    `cooldown` again. The new count is twice the old one, capped by
+    `max_micro_batches` and by `batch_size` (micro-batches of one sample).
+
+    When the batch cannot be split further the decision is a `"hold"` whose
+    `cannot_split` says why, for the caller to raise a clear error:
+    `CANNOT_SPLIT_BATCH_SIZE` when the micro-batches already hold one sample
+    each (the state is then returned unchanged: nothing was tried that the
+    policy could learn from), `CANNOT_SPLIT_CAP` when `max_micro_batches` is
+    reached (the error is recorded in the state).
 
     Args:
         config: A `PolicyConfig`.
         state: The `PolicyState` in force when the error happened.
+        batch_size: The samples of the batch that failed (of one replica,
+            under a distribution strategy), or `None` when unknown.
+            Defaults to `None`.
 
     Returns:
-        A `(Decision, PolicyState)` pair. The decision is an `"increase"` to
-        twice the count, or, when `max_micro_batches` is already reached, a
-        `"hold"` whose reason says so, for the caller to raise a clear error.
+        A `(Decision, PolicyState)` pair.
+
+    Raises:
+        ValueError: If `batch_size` is neither `None` nor an integer >= 1.
 
     Example:
 
@@ -558,24 +662,117 @@ def on_out_of_memory(config, state):
     ('increase', 4, 'out of memory at 2 micro-batches')
     >>> state.oom_count
     1
+    >>> decision, _ = on_out_of_memory(make_config(), state, batch_size=4)
+    >>> decision.cannot_split, decision.reason
+    ('batch_size', 'out of memory at 4 micro-batches of a batch of 4 samples')
     """
+    batch_size = _check_batch_size(batch_size)
     k = state.micro_batches
+    if batch_size is not None and k >= batch_size:
+        return (
+            Decision(
+                k,
+                k,
+                "hold",
+                None,
+                f"out of memory at {_micro(k)} of a batch of "
+                f"{_samples(batch_size)}",
+                CANNOT_SPLIT_BATCH_SIZE,
+            ),
+            state,
+        )
     new_state = state._replace(
         batches_since_change=0,
         calm_batches=0,
         observations=_record(state.observations, k, _INF),
         oom_count=state.oom_count + 1,
     )
-    target = _doubled(config, k)
+    target = _doubled(config, k, batch_size)
     if target == k:
         cap = config.max_micro_batches
         reason = f"out of memory at the cap of {_micro(cap)}"
         if k > cap:  # a restored state above a lowered cap
             reason = f"out of memory at {_micro(k)}, above the cap of {cap}"
-        return Decision(k, k, "hold", None, reason), new_state
+        return (
+            Decision(k, k, "hold", None, reason, CANNOT_SPLIT_CAP),
+            new_state,
+        )
     return (
         Decision(target, k, "increase", None, f"out of memory at {_micro(k)}"),
         new_state._replace(micro_batches=target),
+    )
+
+
+def on_eval_out_of_memory(config, eval_state, batch_size=None):
+    """Raises the evaluation slice count after an out-of-memory error.
+
+    Evaluation keeps its own count (`EvalState`): training's `k` and its
+    readings are left alone. The count doubles per error, capped by
+    `max_micro_batches` and by `batch_size`, and stays for the next
+    evaluations.
+
+    Args:
+        config: A `PolicyConfig` (its `max_micro_batches` applies).
+        eval_state: The `EvalState` in force when the error happened; its
+            `micro_batches` is the count the batch ran at.
+        batch_size: The samples of the evaluation batch that failed, or
+            `None` when unknown. Defaults to `None`.
+
+    Returns:
+        A `(Decision, EvalState)` pair. When the batch cannot be split
+        further, the decision is a `"hold"` whose `cannot_split` says why,
+        and the state is returned unchanged.
+
+    Raises:
+        ValueError: If `batch_size` is neither `None` nor an integer >= 1.
+
+    Example:
+
+    >>> decision, state = on_eval_out_of_memory(
+    ...     make_config(), init_eval_state(), batch_size=6)
+    >>> decision.micro_batches, state.oom_count
+    (2, 1)
+    """
+    batch_size = _check_batch_size(batch_size)
+    k = eval_state.micro_batches
+    cap = config.max_micro_batches
+    if batch_size is not None and k >= batch_size:
+        return (
+            Decision(
+                k,
+                k,
+                "hold",
+                None,
+                f"out of memory evaluating at {_micro(k)} of a batch of "
+                f"{_samples(batch_size)}",
+                CANNOT_SPLIT_BATCH_SIZE,
+            ),
+            eval_state,
+        )
+    if cap is not None and k >= cap:
+        return (
+            Decision(
+                k,
+                k,
+                "hold",
+                None,
+                f"out of memory evaluating at the cap of {_micro(cap)}",
+                CANNOT_SPLIT_CAP,
+            ),
+            eval_state,
+        )
+    target = _doubled(config, k, batch_size)
+    return (
+        Decision(
+            target,
+            k,
+            "increase",
+            None,
+            f"out of memory evaluating at {_micro(k)}",
+        ),
+        eval_state._replace(
+            micro_batches=target, oom_count=eval_state.oom_count + 1
+        ),
     )
 
 

@@ -32,11 +32,13 @@ def _load_policy():
 policy = _load_policy()
 
 
-def run(config, state, usages):
+def run(config, state, usages, largest_batch_size=None):
     """Feeds usages to `decide`; returns the decisions and the final state."""
     decisions = []
     for usage in usages:
-        decision, state = policy.decide(config, state, usage)
+        decision, state = policy.decide(
+            config, state, usage, largest_batch_size=largest_batch_size
+        )
         decisions.append(decision)
     return decisions, state
 
@@ -640,3 +642,129 @@ def test_clamp_micro_batches_rejects_bad_arguments(
     with pytest.raises(ValueError) as info:
         policy.clamp_micro_batches(micro_batches, batch_size)
     assert str(info.value) == message
+
+
+# --- Batch size, out-of-memory limits and evaluation (pure rules) --------
+
+
+def test_increase_stops_at_the_largest_batch_size_with_a_reason():
+    config = policy.make_config()
+    decisions, state = run(
+        config, policy.init_state(2), [0.95, 0.95, 0.95], largest_batch_size=6
+    )
+    assert [d.action for d in decisions] == ["increase", "increase", "hold"]
+    assert [d.micro_batches for d in decisions] == [4, 6, 6]
+    assert decisions[-1].reason == (
+        "peak 95% >= threshold 90%, but micro-batches of one sample are "
+        "reached (batches of 6 samples)"
+    )
+    assert state.micro_batches == 6 and state.batches_since_change == 1
+
+
+def test_cap_below_the_batch_size_is_named_as_the_cap():
+    config = policy.make_config(max_micro_batches=2)
+    decision, _ = policy.decide(config, policy.init_state(2), 0.95, largest_batch_size=8)
+    assert decision.reason.endswith("the cap of 2 micro-batches is reached")
+
+
+def test_decrease_never_lands_above_the_largest_batch_size():
+    config = policy.make_config(cooldown=1)
+    decision, state = policy.decide(config, policy.init_state(16), 0.01, largest_batch_size=5)
+    assert decision.action == "decrease" and decision.micro_batches == 5
+    assert state.micro_batches == 5
+
+
+def test_largest_batch_size_is_validated():
+    with pytest.raises(ValueError, match="Received: largest_batch_size=0"):
+        policy.decide(policy.make_config(), policy.init_state(), 0.5, largest_batch_size=0)
+
+
+def test_out_of_memory_is_capped_by_the_batch_size():
+    decision, state = policy.on_out_of_memory(
+        policy.make_config(), policy.init_state(4), batch_size=6
+    )
+    assert decision.action == "increase" and decision.micro_batches == 6
+    assert decision.cannot_split is None
+    assert state.micro_batches == 6 and state.oom_count == 1
+
+
+def test_out_of_memory_at_single_samples_cannot_split_and_changes_nothing():
+    state = policy.init_state(6)
+    decision, after = policy.on_out_of_memory(policy.make_config(), state, batch_size=6)
+    assert decision.cannot_split == policy.CANNOT_SPLIT_BATCH_SIZE
+    assert decision.action == "hold" and not decision.changed
+    assert decision.reason == "out of memory at 6 micro-batches of a batch of 6 samples"
+    assert after == state
+
+
+def test_out_of_memory_at_the_cap_says_cannot_split():
+    config = policy.make_config(max_micro_batches=4)
+    decision, _ = policy.on_out_of_memory(config, policy.init_state(4), batch_size=64)
+    assert decision.cannot_split == policy.CANNOT_SPLIT_CAP
+
+
+def test_a_replay_sequence_doubles_until_single_samples():
+    config = policy.make_config()
+    state = policy.init_state()
+    seen = []
+    while True:
+        decision, state = policy.on_out_of_memory(config, state, batch_size=5)
+        if decision.cannot_split:
+            break
+        seen.append(decision.micro_batches)
+    assert seen == [2, 4, 5]
+    assert decision.cannot_split == policy.CANNOT_SPLIT_BATCH_SIZE
+    assert state.oom_count == 3
+
+
+def test_eval_out_of_memory_doubles_its_own_count_up_to_the_batch():
+    config = policy.make_config()
+    state = policy.init_eval_state()
+    counts = []
+    while True:
+        decision, new_state = policy.on_eval_out_of_memory(config, state, batch_size=6)
+        if decision.cannot_split:
+            assert new_state == state
+            break
+        state = new_state
+        counts.append(state.micro_batches)
+    assert counts == [2, 4, 6]
+    assert state.oom_count == 3
+    assert decision.cannot_split == policy.CANNOT_SPLIT_BATCH_SIZE
+    assert decision.reason == (
+        "out of memory evaluating at 6 micro-batches of a batch of 6 samples"
+    )
+
+
+def test_eval_out_of_memory_respects_the_cap():
+    config = policy.make_config(max_micro_batches=3)
+    decision, state = policy.on_eval_out_of_memory(
+        config, policy.init_eval_state(2), batch_size=100
+    )
+    assert decision.micro_batches == 3 and state == policy.EvalState(3, 1)
+    decision, after = policy.on_eval_out_of_memory(config, state, batch_size=100)
+    assert decision.cannot_split == policy.CANNOT_SPLIT_CAP
+    assert decision.reason == "out of memory evaluating at the cap of 3 micro-batches"
+    assert after == state
+
+
+@pytest.mark.parametrize(
+    "kwargs, echo",
+    [({"micro_batches": 0}, "micro_batches=0"), ({"oom_count": -1}, "oom_count=-1")],
+)
+def test_init_eval_state_rejects_bad_values(kwargs, echo):
+    with pytest.raises(ValueError, match=f"Received: {echo}"):
+        policy.init_eval_state(**kwargs)
+
+
+def test_policy_module_imports_neither_tensorflow_nor_keras():
+    import ast
+
+    tree = ast.parse(open(policy.__file__).read())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add((node.module or "").split(".")[0])
+    assert not imported & {"tensorflow", "keras", "numpy"}
