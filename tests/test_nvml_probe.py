@@ -2,6 +2,9 @@
 
 This machine has no NVIDIA driver, so the GPU paths run against a fake
 `pynvml` module put in `sys.modules`: the one seam the probe imports through.
+Whether TensorFlow sees a GPU (which decides between a warning and a quiet
+INFO log when NVML is missing) is asked through `nvml._tensorflow_sees_gpu`;
+tests of a GPU machine set it to True.
 """
 
 import logging
@@ -15,6 +18,7 @@ import pytest
 
 from keras_memguard.probes import NvmlProbe
 from keras_memguard.probes import NvmlSample
+from keras_memguard.probes import nvml as nvml_module
 
 GIB = 2**30
 
@@ -128,7 +132,13 @@ MIG_UUID = "MIG-dddd5555-0000-0000-0000-000000000000"
 
 
 @pytest.fixture
-def fake_nvml(monkeypatch):
+def tf_sees_gpu(monkeypatch):
+    """TensorFlow sees a GPU, as on a GPU machine."""
+    monkeypatch.setattr(nvml_module, "_tensorflow_sees_gpu", lambda: True)
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch, tf_sees_gpu):
     """Installs a fake pynvml with four GPUs and one MIG slice on GPU 3."""
     gpus = [FakeGpu(uuid, total_gib=10 * (i + 1)) for i, uuid in enumerate(UUIDS)]
     migs = {MIG_UUID: (3, FakeGpu(MIG_UUID, total_gib=10, used_gib=2))}
@@ -149,7 +159,35 @@ def _no_driver():
 
 
 @pytest.mark.skipif(not _no_driver(), reason="An NVIDIA driver is present.")
-def test_unavailable_without_a_driver_warns_once_and_samples_nothing():
+def test_no_driver_and_no_gpu_is_silent_with_one_info_log(caplog):
+    assert nvml_module._tensorflow_sees_gpu() is False
+    probe = NvmlProbe()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with caplog.at_level(logging.INFO, logger="keras_memguard"):
+            assert probe.available is False
+            assert probe.sample() == ()
+            assert probe.total_bytes(0) is None
+    assert caught == []
+    records = [r for r in caplog.records if "NVML" in r.getMessage()]
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    assert "nvmlInit() failed" in records[0].getMessage()
+    probe.close()
+
+
+def test_missing_pynvml_without_a_gpu_is_silent(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setattr(nvml_module, "_tensorflow_sees_gpu", lambda: False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with caplog.at_level(logging.INFO, logger="keras_memguard"):
+            assert NvmlProbe().available is False
+    assert caught == []
+    assert any("pip install nvidia-ml-py" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.skipif(not _no_driver(), reason="An NVIDIA driver is present.")
+def test_unavailable_without_a_driver_warns_once_and_samples_nothing(tf_sees_gpu):
     probe = NvmlProbe()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -167,7 +205,7 @@ def test_unavailable_without_a_driver_warns_once_and_samples_nothing():
     probe.close()
 
 
-def test_missing_pynvml_warns_with_install_hint(monkeypatch):
+def test_missing_pynvml_warns_with_install_hint(monkeypatch, tf_sees_gpu):
     monkeypatch.setitem(sys.modules, "pynvml", None)
     probe = NvmlProbe()
     with pytest.warns(UserWarning, match="pip install nvidia-ml-py"):
@@ -175,7 +213,7 @@ def test_missing_pynvml_warns_with_install_hint(monkeypatch):
     assert probe.sample() == ()
 
 
-def test_no_gpu_is_unavailable(monkeypatch):
+def test_no_gpu_is_unavailable(monkeypatch, tf_sees_gpu):
     monkeypatch.setitem(sys.modules, "pynvml", make_fake_pynvml([]))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with pytest.warns(UserWarning, match="no visible GPU"):

@@ -4,9 +4,47 @@ Samples are immutable and hold integer bytes; a value a probe cannot read is
 `None`, never a guess. Probes measure and never decide.
 """
 
+import sys
+import warnings
 from typing import NamedTuple, Optional
 
 MIB = 1024 * 1024
+
+# Frames of these top-level packages are skipped when a warning names the
+# line that caused it: the user's line is the one that called into them
+# (`model.fit(...)`, say), not one inside Keras or this package.
+_LIBRARY_PACKAGES = frozenset(
+    ("keras_memguard", "keras", "tensorflow", "tf_keras", "optree", "tree")
+)
+
+
+def warn_at_user_code(message, category=UserWarning, stacklevel=2):
+    """Warns, naming the first line outside this package, Keras and TF.
+
+    Like `warnings.warn(message, category, stacklevel)`, then further up
+    the stack past every frame of those libraries, so a warning raised
+    during `fit` points at the user's `fit` call.
+
+    Args:
+        message: The warning text.
+        category: The warning class. Defaults to `UserWarning`.
+        stacklevel: As for `warnings.warn`, counted from the caller of this
+            function: where to start looking. Defaults to `2`.
+    """
+    level = stacklevel
+    try:
+        frame = sys._getframe(stacklevel)
+    except ValueError:  # Fewer frames than asked for.
+        frame = None
+    while frame is not None:
+        module = frame.f_globals.get("__name__") or ""
+        if module.partition(".")[0] not in _LIBRARY_PACKAGES:
+            break
+        frame = frame.f_back
+        level += 1
+    if frame is None:
+        level = stacklevel
+    warnings.warn(message, category, stacklevel=level + 1)
 
 
 class AllocatorSample(NamedTuple):

@@ -4,9 +4,9 @@ import importlib
 import logging
 import numbers
 import os
-import warnings
 
 from keras_memguard.probes.base import NvmlSample
+from keras_memguard.probes.base import warn_at_user_code
 
 logger = logging.getLogger("keras_memguard")
 
@@ -29,8 +29,10 @@ class NvmlProbe:
     `nvidia-ml-py` package) is imported and `nvmlInit` called lazily, once,
     on first use; a value NVML cannot give is `None`; the probe never raises
     while sampling. When `pynvml` is missing, NVML cannot start (no driver)
-    or no GPU is visible, `available` is `False`, one warning says what to
-    do, and `sample()` returns `()`.
+    or no GPU is visible, `available` is `False`, `sample()` returns `()`,
+    and one message says what to do: a warning when TensorFlow sees a GPU,
+    an INFO log through the `keras_memguard` logger when it sees none (a
+    machine without an NVIDIA GPU, where NVML is not expected).
 
     TensorFlow GPU ordinals (`GPU:i`) are mapped to NVML indices through
     `CUDA_VISIBLE_DEVICES`, read when NVML starts: a comma-separated list of
@@ -103,6 +105,9 @@ class NvmlProbe:
         self._targets = ()
         self._by_ordinal = {}
         self._message = None
+        # NVML missing where TensorFlow sees no GPU either is expected: the
+        # message is then logged at INFO instead of warned.
+        self._quiet = False
         self._warned = False
         self._logged = set()
 
@@ -178,10 +183,13 @@ class NvmlProbe:
 
     def _warn_once(self):
         # Called directly by the public methods, so stacklevel=3 names their
-        # caller: the same line `stacklevel=2` would name if inlined there.
+        # caller (or, inside `fit`, the user's line that called `fit`).
         if self._message and not self._warned:
             self._warned = True
-            warnings.warn(self._message, stacklevel=3)
+            if self._quiet:
+                logger.info("%s", self._message)
+            else:
+                warn_at_user_code(self._message, stacklevel=3)
 
     def _start(self):
         """Imports pynvml, starts NVML and maps GPUs, once."""
@@ -193,6 +201,7 @@ class NvmlProbe:
                 f"NVML is not available: `pynvml` cannot be imported ({e}). "
                 f"GPU readings from NVML are skipped. {_INSTALL_HINT}"
             )
+            self._quiet = not _tensorflow_sees_gpu()
             return
         try:
             pynvml.nvmlInit()
@@ -201,6 +210,7 @@ class NvmlProbe:
                 f"NVML is not available: nvmlInit() failed ({e}). "
                 f"GPU readings from NVML are skipped. {_DRIVER_HINT}"
             )
+            self._quiet = not _tensorflow_sees_gpu()
             return
         self._pynvml = pynvml
         cuda_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -226,6 +236,7 @@ class NvmlProbe:
         self._targets = tuple(targets)
         self._by_ordinal = {t[0]: t for t in targets}
         if self._message is None and not visible:
+            self._quiet = not _tensorflow_sees_gpu()
             self._message = (
                 "NVML found no visible GPU "
                 f"(CUDA_VISIBLE_DEVICES={cuda_visible!r}). GPU readings from "
@@ -296,6 +307,19 @@ class NvmlProbe:
             process_bytes=process_bytes,
             gpu_utilization_percent=utilization,
         )
+
+
+def _tensorflow_sees_gpu():
+    """Whether TensorFlow lists a physical GPU (`False` without TensorFlow).
+
+    Only asked when NVML is missing, so the import cost is paid only then.
+    """
+    try:
+        import tensorflow as tf
+
+        return bool(tf.config.list_physical_devices("GPU"))
+    except Exception:  # No TensorFlow, or it cannot list devices.
+        return False
 
 
 def _is_iterable(value):

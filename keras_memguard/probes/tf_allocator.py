@@ -4,11 +4,11 @@ import logging
 import numbers
 import os
 import re
-import warnings
 from typing import NamedTuple, Optional
 
 from keras_memguard.probes.base import MIB
 from keras_memguard.probes.base import AllocatorSample
+from keras_memguard.probes.base import warn_at_user_code
 
 logger = logging.getLogger("keras_memguard")
 
@@ -129,6 +129,41 @@ def logical_device_limits(physical_devices):
     return result
 
 
+def _parse_limits(memory_limit, devices):
+    """Validates `memory_limit`; returns `(limit_for_all, {device: limit})`."""
+    if memory_limit is None or isinstance(memory_limit, dict):
+        limits = {}
+        for key, value in (memory_limit or {}).items():
+            short = normalize_device(key)
+            if short is None:
+                raise ValueError(
+                    "`memory_limit` keys must be CPU or GPU device "
+                    'strings such as "GPU:0". '
+                    f"Received: memory_limit={memory_limit!r}"
+                )
+            limits[short] = _check_bytes(value, f"memory_limit[{key!r}]")
+        if devices is not None and set(limits) - set(devices):
+            raise ValueError(
+                "`memory_limit` names devices the probe does not read: "
+                f"{sorted(set(limits) - set(devices))}. "
+                f"Received: memory_limit={memory_limit!r} with "
+                f"devices={list(devices)!r}"
+            )
+        limit_all = None
+    else:
+        limit_all = _check_bytes(memory_limit, "memory_limit")
+        limits = {}
+    smallest = min([limit_all or MIB] + list(limits.values()))
+    if smallest < MIB:
+        warn_at_user_code(
+            f"`memory_limit` of {smallest} bytes is under 1 MiB: it is "
+            "in bytes, not MiB. HINT: for 8 GiB pass 8 * 2**30. "
+            f"Received: memory_limit={memory_limit!r}",
+            stacklevel=3,
+        )
+    return limit_all, limits
+
+
 class AllocatorProbe:
     """Reads TensorFlow's allocator: current bytes and the peak per interval.
 
@@ -212,39 +247,11 @@ class AllocatorProbe:
             devices = tuple(normalized)
         self._requested_devices = devices
 
-        if memory_limit is None or isinstance(memory_limit, dict):
-            limits = {}
-            for key, value in (memory_limit or {}).items():
-                short = normalize_device(key)
-                if short is None:
-                    raise ValueError(
-                        "`memory_limit` keys must be CPU or GPU device "
-                        'strings such as "GPU:0". '
-                        f"Received: memory_limit={memory_limit!r}"
-                    )
-                limits[short] = _check_bytes(value, f"memory_limit[{key!r}]")
-            if devices is not None and set(limits) - set(devices):
-                raise ValueError(
-                    "`memory_limit` names devices the probe does not read: "
-                    f"{sorted(set(limits) - set(devices))}. "
-                    f"Received: memory_limit={memory_limit!r} with "
-                    f"devices={list(devices)!r}"
-                )
-            self._user_limit_all = None
-            self._user_limits = limits
-        else:
-            self._user_limit_all = _check_bytes(memory_limit, "memory_limit")
-            self._user_limits = {}
-        smallest = min(
-            [self._user_limit_all or MIB] + list(self._user_limits.values())
+        self._user_limit_all, self._user_limits = _parse_limits(
+            memory_limit, devices
         )
-        if smallest < MIB:
-            warnings.warn(
-                f"`memory_limit` of {smallest} bytes is under 1 MiB: it is "
-                "in bytes, not MiB. HINT: for 8 GiB pass 8 * 2**30. "
-                f"Received: memory_limit={memory_limit!r}",
-                stacklevel=2,
-            )
+        # Devices whose limit a caller applies itself (None: all of them).
+        self._covered = frozenset()
 
         self._entries = None
         self._readable = ()
@@ -253,6 +260,27 @@ class AllocatorProbe:
         self._logged = set()
         self._get_memory_info = None
         self._reset_memory_stats = None
+
+    def limits_given_elsewhere(self, memory_limit):
+        """Says that the caller applies its own limit to some devices.
+
+        A caller that reads this probe but divides by its own `memory_limit`
+        (a callback given one) tells the probe so before first use: the
+        devices that limit covers are not warned about as having no known
+        limit. The probe's own limits do not change.
+
+        Args:
+            memory_limit: The caller's limit: bytes for every device, a dict
+                from device string to bytes, or `None` (no device covered).
+        """
+        if memory_limit is None:
+            self._covered = frozenset()
+        elif isinstance(memory_limit, dict):
+            self._covered = frozenset(
+                normalize_device(key) for key in memory_limit
+            )
+        else:
+            self._covered = None  # every device
 
     @property
     def devices(self):
@@ -404,7 +432,7 @@ class AllocatorProbe:
                     "nothing. HINT: report this with the TensorFlow version."
                 )
         while self._messages:
-            warnings.warn(self._messages.pop(0), stacklevel=stacklevel)
+            warn_at_user_code(self._messages.pop(0), stacklevel=stacklevel)
 
     def _setup(self):
         """Resolves devices, modes, limits and names, once."""
@@ -523,7 +551,13 @@ class AllocatorProbe:
                 "bytes" + self._limit_clause(entries, default) + f". {_BFC_HINT}"
             )
         # Devices above already warned about their unknown limit.
-        unknown = names(lambda e: e.source == "unknown" and e.mode in ("bfc", "gpu"))
+        covered = self._covered
+        unknown = names(
+            lambda e: e.source == "unknown"
+            and e.mode in ("bfc", "gpu")
+            and covered is not None
+            and e.tf_device not in covered
+        )
         if unknown:
             nvml_note = ""
             if nvml is not None and nvml._message:
@@ -533,8 +567,14 @@ class AllocatorProbe:
                 f"{nvml_note} {_LIMIT_HINT}"
             )
 
-    @staticmethod
-    def _limit_clause(entries, devices):
-        if any(e.source == "unknown" for e in entries if e.tf_device in devices):
+    def _limit_clause(self, entries, devices):
+        covered = self._covered
+        if covered is None:
+            return ""
+        if any(
+            e.source == "unknown" and e.tf_device not in covered
+            for e in entries
+            if e.tf_device in devices
+        ):
             return ", and no memory limit is known, so usage is None"
         return ""
