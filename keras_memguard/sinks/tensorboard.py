@@ -5,20 +5,31 @@ Scalars go to the run directory `<log_dir>/memguard`, beside the `train` and
 event file. TensorBoard follows only the newest event file of a run
 directory, so exactly one writer per directory is kept for the whole process
 (`writer_for`): a monitor and a guard on the same `log_dir`, and repeated
-`fit` calls, all append to one file.
+`fit` calls, all append to one file. Each callback holds the writer from
+`on_train_begin` to `on_train_end` (`acquire` / `release`); when the last
+holder lets go, the file is flushed and closed (and its thread stopped), so
+it is complete on disk when `fit` returns; the next `fit` opens the same
+file again and appends (a new file per `fit` would be named within the same
+second and could sort before the old one, which TensorBoard then skips).
 
-Events are built with TensorBoard's own protobufs and written by its
-`EventFileWriter` (a background thread does the disk I/O); no TensorFlow op
-runs, which keeps per-batch logging cheap.
+Events are built with TensorBoard's own protobufs and framed by its
+`RecordWriter`; a background thread does the framing (a checksum computed in
+Python) and the disk I/O, and no TensorFlow op runs, which keeps per-batch
+logging cheap.
 """
 
+import logging
 import os
+import queue
+import socket
 import threading
 import time
 
 from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.proto import summary_pb2
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
+from tensorboard.summary.writer.record_writer import RecordWriter
+
+logger = logging.getLogger("keras_memguard")
 
 RUN_NAME = "memguard"
 
@@ -65,6 +76,63 @@ def to_mib(num_bytes):
     return None if num_bytes is None else num_bytes / _MIB
 
 
+class _EventFile:
+    """Appends events to one event file from a background thread.
+
+    Args:
+        path: The event file; created with TensorBoard's version record
+            when it does not exist, appended to when it does.
+    """
+
+    def __init__(self, path):
+        new = not os.path.exists(path)
+        self.path = path
+        self._file = open(path, "ab")
+        self._records = RecordWriter(self._file)
+        self._queue = queue.Queue(maxsize=1000)
+        self._failed = False
+        self._thread = threading.Thread(
+            target=self._run, name="keras_memguard-events", daemon=True
+        )
+        self._thread.start()
+        if new:
+            self.add(
+                event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")
+            )
+
+    def add(self, event):
+        self._queue.put(event.SerializeToString())
+
+    def _run(self):
+        while True:
+            data = self._queue.get()
+            try:
+                if data is None:
+                    return
+                if not self._failed:
+                    self._records.write(data)
+            except OSError as e:  # Logging never stops training.
+                self._failed = True
+                logger.warning(
+                    "Writing TensorBoard events to %s failed: %s. Later "
+                    "events of this file are dropped.",
+                    self.path,
+                    e,
+                )
+            finally:
+                self._queue.task_done()
+
+    def flush(self):
+        self._queue.join()
+        if not self._failed:
+            self._file.flush()
+
+    def close(self):
+        self._queue.put(None)
+        self._thread.join()
+        self._file.close()
+
+
 class ScalarWriter:
     """Appends scalar events to one event file of a run directory.
 
@@ -77,7 +145,48 @@ class ScalarWriter:
 
     def __init__(self, run_dir):
         self.run_dir = run_dir
+        self.path = None
         self._writer = None
+        self._holders = set()
+        self._lock = threading.Lock()
+
+    def _open(self):
+        # On first use (a callback that never logs leaves no file), and
+        # again after `release` closed the file: the same file goes on.
+        with self._lock:
+            if self._writer is None:
+                os.makedirs(self.run_dir, exist_ok=True)
+                if self.path is None:
+                    self.path = os.path.join(
+                        self.run_dir,
+                        "events.out.tfevents.%010d.%s.%d.memguard"
+                        % (time.time(), socket.gethostname(), os.getpid()),
+                    )
+                self._writer = _EventFile(self.path)
+            return self._writer
+
+    def acquire(self, holder):
+        """Marks `holder` (a callback) as writing until `release(holder)`.
+
+        Acquiring twice without a release counts once, so a `fit` that
+        raised before `on_train_end` does not keep the file open for good.
+        """
+        with self._lock:
+            self._holders.add(id(holder))
+
+    def release(self, holder):
+        """Lets go of the writer; the last holder closes the event file.
+
+        Events written later go to a new event file in the same directory.
+        """
+        with self._lock:
+            self._holders.discard(id(holder))
+            if self._holders:
+                writer = None
+            else:
+                writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
 
     def write(self, step, scalars):
         """Writes scalars at one step as a single event.
@@ -94,10 +203,10 @@ class ScalarWriter:
         ]
         if not values:
             return
-        if self._writer is None:
-            # Created on first use: a callback that never logs leaves no file.
-            self._writer = EventFileWriter(self.run_dir, max_queue_size=1000)
-        self._writer.add_event(
+        writer = self._writer
+        if writer is None:
+            writer = self._open()
+        writer.add(
             event_pb2.Event(
                 wall_time=time.time(),
                 step=step,
@@ -107,8 +216,9 @@ class ScalarWriter:
 
     def flush(self):
         """Writes pending events to disk."""
-        if self._writer is not None:
-            self._writer.flush()
+        writer = self._writer
+        if writer is not None:
+            writer.flush()
 
 
 _writers = {}
