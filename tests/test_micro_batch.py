@@ -199,7 +199,10 @@ def test_split_micro_batches_dynamic_batch_smaller_than_k():
     np.testing.assert_array_equal(sizes(tf.zeros([12, 2])), [3, 3, 2, 2, 2])
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize(
+    "micro_batches",
+    [1, 2, *(pytest.param(k, marks=pytest.mark.slow) for k in (3, 4, 8))],
+)
 def test_accumulate_matches_full_batch(micro_batches, weighted_reference):
     # Sample weights, weighted metrics, L2 regularization counted once, a
     # batch not divisible by k and a last batch smaller than k.
@@ -209,12 +212,14 @@ def test_accumulate_matches_full_batch(micro_batches, weighted_reference):
     assert int(model.optimizer.iterations) == STEPS
 
 
+@pytest.mark.slow
 def test_accumulate_matches_full_batch_with_class_weight():
     reference = fit(build_mlp(), class_weight=CLASS_WEIGHT)
     result = fit(build_mlp(GuardedSequential), 4, class_weight=CLASS_WEIGHT)
     assert_same_training(result, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro_batches", [3, 8])
 def test_accumulate_matches_full_batch_with_dict_inputs(
     micro_batches, two_input_reference
@@ -224,6 +229,7 @@ def test_accumulate_matches_full_batch_with_dict_inputs(
     assert_same_training(result, two_input_reference)
 
 
+@pytest.mark.slow
 def test_accumulate_matches_full_batch_under_xla():
     reference = fit(build_mlp(jit_compile=True), sample_weight=SAMPLE_WEIGHT)
     model = build_mlp(GuardedSequential, jit_compile=True)
@@ -231,6 +237,7 @@ def test_accumulate_matches_full_batch_under_xla():
     assert_same_training(result, reference)
 
 
+@pytest.mark.slow
 def test_accumulate_matches_full_batch_run_eagerly(weighted_reference):
     model = build_mlp(GuardedSequential)
     model.run_eagerly = True
@@ -238,6 +245,7 @@ def test_accumulate_matches_full_batch_run_eagerly(weighted_reference):
     assert_same_training(result, weighted_reference)
 
 
+@pytest.mark.slow
 def test_accumulate_matches_full_batch_under_mixed_precision():
     # float16 rounds each micro-batch's matmuls (and their float16 sums
     # over the samples) differently from the whole batch's: gradients differ
@@ -255,9 +263,14 @@ def test_accumulate_matches_full_batch_under_mixed_precision():
     assert float(model.optimizer.dynamic_scale) == float(
         reference_model.optimizer.dynamic_scale
     )
-    assert int(model.optimizer.iterations) == STEPS
+    # Keras 3.8's LossScaleOptimizer counts its iterations in the inner
+    # optimizer only: compare with plain training on the same version.
+    assert int(model.optimizer.iterations) == int(
+        reference_model.optimizer.iterations
+    )
 
 
+@pytest.mark.slow
 def test_shrink_makes_one_update_per_micro_batch():
     model = build_mlp(GuardedSequential)
     model.compile(
@@ -272,6 +285,7 @@ def test_shrink_makes_one_update_per_micro_batch():
     assert np.all(np.isfinite(history["loss"]))
 
 
+@pytest.mark.slow
 def test_changing_micro_batches_between_batches(weighted_reference):
     class SwitchAfterFirstBatch(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -292,6 +306,7 @@ def test_changing_micro_batches_between_batches(weighted_reference):
     assert_same_training(result, weighted_reference)
 
 
+@pytest.mark.slow
 def test_peak_memory_of_micro_batches_matches_smaller_batch():
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
@@ -327,6 +342,7 @@ def test_peak_memory_of_micro_batches_matches_smaller_batch():
     assert full_batch >= 1.5 * micro_batched, (full_batch, micro_batched)
 
 
+@pytest.mark.slow
 def test_failed_step_leaves_no_trace():
     # Micro-batch 0 is light; micro-batch 1 allocates ~2.6 GB under a 512
     # MiB cap: a real out-of-memory error inside the micro-batch loop,
@@ -385,6 +401,7 @@ def test_failed_step_leaves_no_trace():
     assert run.result["iterations"] == [1, 2]
 
 
+@pytest.mark.slow
 def test_batch_statistics_warning_once():
     def build(cls):
         keras.utils.set_random_seed(0)
@@ -446,6 +463,7 @@ def test_mixin_rejects_bad_mode_and_factory_validates():
         split_micro_batches(tf.zeros([4, 2]), 2.0)
 
 
+@pytest.mark.slow
 def test_save_and_load_round_trip(tmp_path):
     model = build_mlp(GuardedSequential)
     model.micro_batches = 2

@@ -49,8 +49,8 @@ PRIVATE_NAMES = (
     ("keras.optimizers.Optimizer", "_learning_rate"),
     ("CollectiveAllReduceExtended", "_in_multi_worker_mode"),
     # Optional: Keras 3.9+ only; `autoconvert_optionals` falls back.
-    ("tensorflow.TypeSpec", "_unbatch"),
-    ("tensorflow.TypeSpec", "_batch"),
+    ("tensorflow.TensorSpec", "_unbatch"),
+    ("tensorflow.TensorSpec", "_batch"),
     ("keras.Model", "_autoconvert_optionals"),
 )
 OPTIONAL_NAMES = (("keras.Model", "_autoconvert_optionals"),)

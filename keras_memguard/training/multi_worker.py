@@ -4,7 +4,7 @@ Plain Keras 3 `fit` does not run under `MultiWorkerMirroredStrategy`
 (keras-team/keras#20585, tensorflow/tensorflow#72388). Checked with
 TensorFlow 2.21 / Keras 3.15 and two CPU workers on 127.0.0.1, it fails twice:
 
-1. `Trainer._maybe_symbolic_build` calls
+1. Keras' symbolic build before the first batch calls
    `strategy.reduce("MEAN", (x, y), axis=None)` on the whole first batch. The
    strategy's `reduce` takes one `DistributedValues`, not a nest; with one
    worker the tuple passes through untouched (a `MEAN` of a non-distributed

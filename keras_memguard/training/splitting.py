@@ -149,7 +149,12 @@ def slice_rows(item, start, size):
     rank = item.shape.rank
     begin = tf.stack([start] + [0] * (rank - 1))
     extent = tf.stack([size] + [-1] * (rank - 1))
-    return tf.slice(item, begin, extent)
+    sliced = tf.slice(item, begin, extent)
+    # A dynamic `extent` hides every dimension; the inner ones are the
+    # batch's (Keras 3.8's Flatten needs them known).
+    rows = size if isinstance(size, int) else None
+    sliced.set_shape(tf.TensorShape([rows]).concatenate(item.shape[1:]))
+    return sliced
 
 
 def slice_structure(structure, start, size):

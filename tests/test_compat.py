@@ -1,0 +1,90 @@
+"""Every private Keras/TensorFlow name lives in `training.compat` and resolves here."""
+
+import importlib
+import pathlib
+import re
+
+import keras
+import pytest
+import tensorflow as tf
+
+from keras_memguard.training import compat
+
+PACKAGE = pathlib.Path(compat.__file__).resolve().parents[1]
+
+
+def _owner(path):
+    if path == "CollectiveAllReduceExtended":
+        module = importlib.import_module(
+            "tensorflow.python.distribute.collective_all_reduce_strategy"
+        )
+        return module.CollectiveAllReduceExtended
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        module, _, name = path.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+
+def _compiled_model():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    return model
+
+
+@pytest.mark.parametrize("owner,name", compat.PRIVATE_NAMES)
+def test_every_private_name_resolves_on_this_version(owner, name):
+    version = tuple(int(part) for part in keras.__version__.split(".")[:2])
+    if (owner, name) in compat.OPTIONAL_NAMES and version < (3, 9):
+        pytest.skip(f"{name} is Keras 3.9+; compat falls back")
+    target = _owner(owner)
+    if owner == "keras.Model" and not hasattr(target, name):
+        target = _compiled_model()  # Set by `__init__`/`compile`.
+    if owner == "keras.optimizers.Optimizer":
+        target = keras.optimizers.SGD(0.1)
+    assert hasattr(target, name), f"{owner}.{name} (Keras {keras.__version__})"
+
+
+def test_compat_helpers_work_on_a_compiled_model():
+    model = _compiled_model()
+    x = tf.zeros((4, 3))
+    compat.symbolic_build(model, (x, tf.zeros((4, 2))))
+    assert compat.loss_tracker(model) is not None
+    assert compat.compiled_loss(model) is not None
+    assert compat.compiled_metrics(model) is not None
+    assert compat.call_has_training_arg(model) in (True, False)
+    assert model in compat.all_layers(model)
+    assert compat.learning_rate_variable(model.optimizer) is not None
+    loss = compat.compute_loss(model, x, tf.ones((4, 2)), model(x), None)
+    assert float(loss) > 0
+    assert float(compat.unscale_loss_for_distribution(loss)) == float(loss)
+    wrapped = compat.autoconvert_optionals(model, lambda data: data)
+    assert wrapped((tf.experimental.Optional.empty(None), 1)) == (None, 1)
+    spec = compat.with_unknown_batch_size(tf.TensorSpec((4, 3)))
+    assert spec.shape.as_list() == [None, 3]
+
+
+def test_a_missing_name_names_the_supported_versions():
+    with pytest.raises(Exception) as info:
+        compat._attribute(object(), "_no_such_name")
+    message = str(info.value)
+    assert "_no_such_name" in message and "Keras 3.8" in message
+    assert keras.__version__ in message
+
+
+def test_no_other_module_names_a_private_keras_or_tensorflow_name():
+    private = re.compile(
+        r"keras\.src|tensorflow\.python|\._(compute_loss|loss_tracker|"
+        r"symbolic_build|maybe_symbolic_build|make_function|autoconvert_optionals|"
+        r"compile_loss|compile_metrics|call_has_training_arg|flatten_layers|"
+        r"get_metrics_result_or_logs|learning_rate|in_multi_worker_mode|"
+        r"unbatch|batch)\b"
+    )
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "compat.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if private.search(line):
+                offenders.append(f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
