@@ -36,6 +36,7 @@ import tensorflow as tf
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.backend.event_processing import plugin_event_multiplexer
 
+from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks.monitor import MemoryMonitor
 from keras_memguard.probes.nvml import NvmlProbe
 from keras_memguard.testing import run_with_memory_cap
@@ -135,19 +136,33 @@ def _f32(value):
 
 
 class _Before(keras.callbacks.Callback):
-    """Reads the allocator peak before the monitors read and reset it."""
+    """Reads the allocator peak before the monitors read and reset it.
+
+    The monitors read right after each train function call, through the
+    model's logs carrier; placed first, this callback registers there first.
+    """
 
     def __init__(self):
         super().__init__()
         self.batch_peaks = []
         self.test_peaks = []
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_begin(self, logs=None):
+        logs_carrier.attach(self.model, self, self._read, self.params)
+
+    def on_train_end(self, logs=None):
+        logs_carrier.detach(self.model, self)
+
+    def _read(self, logs):
         self.batch_peaks.append(_memory_info()["peak"])
 
     def on_test_end(self, logs=None):
         self.test_peaks.append(_memory_info()["peak"])
 
+
+# What the logs' own tensors may move the allocator by between the read in
+# the train function and a callback's on_train_batch_end.
+LOGS_SLACK_BYTES = 4096
 
 SPIKE_BATCHES = (0, 4, 9)  # in-epoch steps 1, 5 and 10, never a window's last
 SPIKE_FLOATS = 256 * 1024  # 1 MiB, far above the tiny model's own peaks
@@ -292,10 +307,12 @@ def test_values_agree_with_the_allocator(main_run):
     for i in range(TOTAL):
         # The logged peak is the allocator's peak since the previous read.
         assert peaks[i] == pytest.approx(before.batch_peaks[i] / MIB, rel=1e-6), i
-        # `current` does not change between the monitor and `after`.
-        assert currents[i] == pytest.approx(after.current[i] / MIB, rel=1e-6), i
-        # The monitor reset the peak: right after, peak == current.
-        assert after.peak[i] == after.current[i], i
+        # The monitor reads right after the train function; by the time
+        # `after` runs, Keras has turned the logs' tensors into floats,
+        # which moves `current` (and the new peak) by a few bytes only.
+        assert abs(currents[i] * MIB - after.current[i]) <= LOGS_SLACK_BYTES, i
+        # The monitor reset the peak.
+        assert after.peak[i] - after.current[i] <= LOGS_SLACK_BYTES, i
         # A training step allocates temporaries and frees them by batch end.
         assert peaks[i] > currents[i] > 0, i
     assert _values(scalars[LIMIT]) == [float(SUITE_MEMORY_LIMIT_MIB)] * TOTAL
@@ -396,7 +413,7 @@ def test_steps_per_execution_2_one_point_per_execution(tmp_path):
     assert len(before.batch_peaks) == TOTAL // 2
     for i, (_, peak) in enumerate(scalars[PEAK]):
         assert peak == pytest.approx(before.batch_peaks[i] / MIB, rel=1e-6), i
-        assert after.peak[i] == after.current[i], i
+        assert after.peak[i] - after.current[i] <= LOGS_SLACK_BYTES, i
     assert [log["memory_peak_mib"] for log in after.logs] == [
         p / MIB for p in before.batch_peaks
     ]
@@ -510,22 +527,25 @@ def test_update_freq_epoch_with_validation_writes_one_point_per_epoch(
 # NVML unavailable (no driver, or no pynvml): training works, one warning.
 
 
-def test_without_nvml_training_works_with_exactly_one_warning():
+def test_without_nvml_or_a_gpu_training_works_without_an_nvml_warning(caplog):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if NvmlProbe().available:
-            pytest.skip("NVML is available on this machine")
+        if NvmlProbe().available or tf.config.list_physical_devices("GPU"):
+            pytest.skip("NVML or a GPU is available on this machine")
     model = _model()
     x, y = _data()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        history = model.fit(
-            x, y, batch_size=BATCH_SIZE, epochs=EPOCHS, verbose=0,
-            callbacks=[MemoryMonitor()],
-        ).history
+        with caplog.at_level("INFO", logger="keras_memguard"):
+            history = model.fit(
+                x, y, batch_size=BATCH_SIZE, epochs=EPOCHS, verbose=0,
+                callbacks=[MemoryMonitor()],
+            ).history
     nvml_warnings = [w for w in caught if "NVML" in str(w.message)]
-    assert len(nvml_warnings) == 1, [str(w.message) for w in caught]
-    assert "HINT" in str(nvml_warnings[0].message)
+    assert nvml_warnings == [], [str(w.message) for w in caught]
+    # Said once, at INFO, for whoever looks.
+    nvml_logs = [r for r in caplog.records if "NVML" in r.getMessage()]
+    assert len(nvml_logs) == 1 and nvml_logs[0].levelname == "INFO"
     assert len(history["loss"]) == EPOCHS and all(map(math.isfinite, history["loss"]))
     assert len(history["memory_peak_mib"]) == EPOCHS
     assert all(0 < u <= 1 for u in history["memory_usage"])
@@ -621,6 +641,7 @@ def test_scalars_show_in_tensorboard_beside_keras_tensorboard(tensorboard_log_di
     )
 
 
+@pytest.mark.slow
 def test_scalars_show_in_tensorboard_data_server(tensorboard_log_dir):
     # The Rust data server TensorBoard uses by default (--load_fast=auto).
     server = pytest.importorskip("tensorboard_data_server")
@@ -741,6 +762,7 @@ emit_result({{
 """
 
 
+@pytest.mark.slow
 def test_limit_and_usage_under_a_real_512_mib_cap(tmp_path):
     run = run_with_memory_cap(
         _CAPPED_CODE.format(log_dir=str(tmp_path)), memory_limit_mib=512, timeout=300

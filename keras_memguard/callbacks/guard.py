@@ -7,6 +7,7 @@ import os
 import keras
 
 from keras_memguard import policy
+from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks.sampling import resolve_limits
 from keras_memguard.callbacks.sampling import shared_reader
 from keras_memguard.errors import MemoryLimitUnknownError
@@ -16,7 +17,7 @@ from keras_memguard.probes.tf_allocator import AllocatorProbe
 from keras_memguard.sinks import tensorboard as tb
 from keras_memguard.training import multi_worker
 from keras_memguard.training.eval_replay import ReplayTestFunction
-from keras_memguard.training.micro_batch import validate_micro_batches
+from keras_memguard.training.splitting import validate_micro_batches
 from keras_memguard.training.mixin import MemGuardMixin
 from keras_memguard.training.replay import ReplayTrainFunction
 
@@ -57,8 +58,10 @@ class MemoryGuard(keras.callbacks.Callback):
 
     Writes, per batch, the TensorBoard scalars `memguard/micro_batches`,
     `memguard/micro_batch_size` and `memguard/oom_recoveries` to the run
-    `<log_dir>/memguard`, adds `micro_batches` to the batch and epoch `logs`,
-    and logs one INFO line through the `keras_memguard` logger per change.
+    `<log_dir>/memguard`, adds `micro_batches` (the count for the next
+    batch) to the batch and epoch `logs` the train function returns, so every
+    callback sees it whatever its place in the `callbacks` list, and logs one
+    INFO line through the `keras_memguard` logger per change.
 
     A validation batch (during `fit`) that runs out of memory is evaluated
     in smaller slices instead, going on from the first sample not yet
@@ -155,12 +158,14 @@ class MemoryGuard(keras.callbacks.Callback):
         self._writer = tb.writer_for(log_dir) if log_dir is not None else None
         self._reader = None
         self._function = None
-        self._previous_function = None
+        self._carrier = None
+        self._previous_inner = None
+        # Whether the carrier ran this batch's bookkeeping already.
+        self._contributed = False
         # Evaluation has its own micro-batch count and counter: an
         # evaluation batch says nothing about a training step's memory.
         self._eval_function = None
-        self._eval_micro_batches = 1
-        self._eval_oom_count = 0
+        self.eval_state = policy.init_eval_state()
         self._base_learning_rate = None
         self._multi_worker = False
         self._step = 0
@@ -179,17 +184,17 @@ class MemoryGuard(keras.callbacks.Callback):
     @property
     def eval_micro_batches(self):
         """The number of slices each validation batch is evaluated in now."""
-        return self._eval_micro_batches
+        return self.eval_state.micro_batches
 
     @property
     def eval_oom_recoveries(self):
         """How many times validation ran out of memory and went on in slices."""
-        return self._eval_oom_count
+        return self.eval_state.oom_count
 
     def set_model(self, model):
         super().set_model(model)
         self._reader = shared_reader(model)
-        self._reader.register(self)
+        self._reader.register(self, self.memory_limit)
 
     def on_train_begin(self, logs=None):
         model = self.model
@@ -197,10 +202,12 @@ class MemoryGuard(keras.callbacks.Callback):
         self._limits = self._resolve_limits()
         self._load_state()
         self._multi_worker = multi_worker.is_multi_worker(model.distribute_strategy)
+        carrier = logs_carrier.current(model)
         if self._multi_worker:
             # Makes Keras' symbolic build and log reduction work across
             # workers; resets the train and test functions.
             multi_worker.prepare_multi_worker(model)
+            logs_carrier.reinstall(model, carrier, model.train_function)
         function_class = (
             multi_worker.MultiWorkerTrainFunction
             if self._multi_worker
@@ -212,27 +219,56 @@ class MemoryGuard(keras.callbacks.Callback):
             mode=self.mode,
             on_out_of_memory=self._on_out_of_memory,
         )
-        self._previous_function = model.train_function
-        model.train_function = self._function
+        # The guard's function trains inside the model's logs carrier.
+        self._carrier = logs_carrier.attach(model, self, self._contribute, self.params)
+        self._previous_inner = self._carrier.inner
+        self._carrier.inner = self._function
+        self._contributed = False
         self._apply(self.state.micro_batches)
         self._reader.reset()
+        if self._writer is not None:
+            self._writer.acquire(self)
 
     def on_train_end(self, logs=None):
-        if self._function is not None and self.model.train_function is self._function:
-            self.model.train_function = self._previous_function
+        carrier = self._carrier
+        if carrier is not None and carrier.inner is self._function:
+            carrier.inner = self._previous_inner
+        logs_carrier.detach(self.model, self)
+        self._carrier = None
+        self._previous_inner = None
         self._function = None
         self._restore_test_function()
         self._restore_learning_rate()
         if self._writer is not None:
-            self._writer.flush()
+            self._writer.release(self)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._last_batch = -1
 
+    def _contribute(self, logs):
+        """Decides after each train function call; adds `micro_batches`.
+
+        Called by the model's `LogsCarrier` before Keras hands the logs to
+        the callbacks, so every callback sees the value.
+        """
+        # The batch number Keras 3.15 passes to on_train_batch_end: the
+        # execution's last step.
+        steps = self.model.steps_per_execution or 1
+        self._after_batch(self._last_batch + steps, logs, self._carrier.batch_key)
+        self._contributed = True
+
     def on_train_batch_end(self, batch, logs=None):
+        if self._contributed:
+            self._contributed = False
+            return
+        # No carrier (the train function was replaced after on_train_begin).
+        self._after_batch(batch, logs, (id(logs), batch))
+
+    def _after_batch(self, batch, logs, key):
+        """Reads the batch's peak, asks the policy, applies its decision."""
         self._step += batch - self._last_batch
         self._last_batch = batch
-        samples = self._reader.read(self, (id(logs), batch))
+        samples = self._reader.read(self, key)
         usage = None
         limit = None
         for sample, device_limit in zip(samples, self._limits):
@@ -244,16 +280,12 @@ class MemoryGuard(keras.callbacks.Callback):
         if self._multi_worker:
             # The same decision at the same step on every worker.
             usage, _ = multi_worker.agree_on_usage(self.model.distribute_strategy, usage)
-        decision, self.state = policy.decide(self.config, self.state, usage)
-        if decision.changed and self._function.largest_replica_batch_size:
-            # More micro-batches than a replica's samples would only add
-            # empty ones.
-            k = policy.clamp_micro_batches(
-                decision.micro_batches, self._function.largest_replica_batch_size
-            )
-            if k != decision.micro_batches:
-                self.state = self.state._replace(micro_batches=k)
-                decision = decision._replace(micro_batches=k)
+        decision, self.state = policy.decide(
+            self.config,
+            self.state,
+            usage,
+            largest_batch_size=self._function.largest_replica_batch_size or None,
+        )
         if decision.changed:
             self._announce(decision, limit)
             self._apply(decision.micro_batches)
@@ -276,7 +308,7 @@ class MemoryGuard(keras.callbacks.Callback):
             return
         self._eval_function = ReplayTestFunction(
             self.model,
-            micro_batches=self._eval_micro_batches,
+            micro_batches=self.eval_state.micro_batches,
             on_out_of_memory=self._on_eval_out_of_memory,
         )
         self._eval_function.install()
@@ -292,31 +324,31 @@ class MemoryGuard(keras.callbacks.Callback):
 
     def _on_out_of_memory(self, batch_size, micro_batches, error):
         """Chooses the micro-batch count to replay a batch with, or raises."""
-        samples = self._reader.read(self, None)
-        peak = max((s.peak_bytes or 0 for s in samples), default=0) or None
-        limit = max((l or 0 for l in self._limits), default=0) or None
         # Each replica splits its own part of the (global) batch.
         replica_batch_size = self._function.last_replica_batch_size or batch_size
-        if micro_batches >= replica_batch_size:
+        decision, state = policy.on_out_of_memory(
+            self.config,
+            self.state._replace(micro_batches=micro_batches),
+            replica_batch_size or None,
+        )
+        if decision.cannot_split:
+            samples = self._reader.read(self, None)
+            peak = max((s.peak_bytes or 0 for s in samples), default=0) or None
+            limit = max((l or 0 for l in self._limits), default=0) or None
+            if decision.cannot_split == policy.CANNOT_SPLIT_BATCH_SIZE:
+                message = _too_large_message(batch_size, micro_batches, peak, limit)
+            else:
+                message = (
+                    f"Out of memory at {micro_batches} micro-batches, the cap set "
+                    f"by `max_micro_batches`; the batch of {batch_size} samples "
+                    "cannot be split further. HINT: raise `max_micro_batches` or "
+                    "lower the batch size."
+                )
             raise MicroBatchTooLargeError(
-                _too_large_message(batch_size, micro_batches, peak, limit),
-                peak_bytes=peak,
-                limit_bytes=limit,
-            ) from error
-        decision, state = policy.on_out_of_memory(self.config, self.state)
-        if not decision.changed:
-            raise MicroBatchTooLargeError(
-                f"Out of memory at {micro_batches} micro-batches, the cap set by "
-                f"`max_micro_batches`; the batch of {batch_size} samples cannot "
-                "be split further. HINT: raise `max_micro_batches` or lower the "
-                "batch size.",
-                peak_bytes=peak,
-                limit_bytes=limit,
+                message, peak_bytes=peak, limit_bytes=limit
             ) from error
         self.state = state
-        new_k = min(decision.micro_batches, replica_batch_size)
-        if new_k != decision.micro_batches:
-            self.state = self.state._replace(micro_batches=new_k)
+        new_k = decision.micro_batches
         logger.info(
             "out of memory at %d micro-batch%s of a batch of %d: replaying it "
             "with %d micro-batches (micro-batch %s)",
@@ -336,12 +368,16 @@ class MemoryGuard(keras.callbacks.Callback):
         Only evaluation's count changes; training's `k`, the policy state
         and `oom_recoveries` stay as they are.
         """
-        limit = max((l or 0 for l in self._limits), default=0) or None
-        cap = self.config.max_micro_batches
-        if micro_batches >= batch_size or (cap is not None and micro_batches >= cap):
+        decision, eval_state = policy.on_eval_out_of_memory(
+            self.config,
+            self.eval_state._replace(micro_batches=micro_batches),
+            batch_size or None,
+        )
+        if decision.cannot_split:
             samples = self._reader.read(self, None)
             peak = max((s.peak_bytes or 0 for s in samples), default=0) or None
-            if micro_batches >= batch_size:
+            limit = max((l or 0 for l in self._limits), default=0) or None
+            if decision.cannot_split == policy.CANNOT_SPLIT_BATCH_SIZE:
                 message = _too_large_message(batch_size, micro_batches, peak, limit)
             else:
                 message = (
@@ -353,11 +389,8 @@ class MemoryGuard(keras.callbacks.Callback):
             raise MicroBatchTooLargeError(
                 "Validation: " + message, peak_bytes=peak, limit_bytes=limit
             ) from error
-        new_k = min(2 * micro_batches, batch_size)
-        if cap is not None:
-            new_k = min(new_k, cap)
-        self._eval_micro_batches = new_k
-        self._eval_oom_count += 1
+        self.eval_state = eval_state
+        new_k = eval_state.micro_batches
         done = self._eval_function.samples_done if self._eval_function else 0
         logger.info(
             "out of memory evaluating a validation batch of %d at %d "
@@ -490,8 +523,8 @@ class MemoryGuard(keras.callbacks.Callback):
             "policy": policy.state_to_dict(self.state),
             "step": self._step,
             "eval": {
-                "micro_batches": self._eval_micro_batches,
-                "oom_count": self._eval_oom_count,
+                "micro_batches": self.eval_state.micro_batches,
+                "oom_count": self.eval_state.oom_count,
             },
         }
         tmp = self._state_path() + ".tmp"
@@ -507,8 +540,10 @@ class MemoryGuard(keras.callbacks.Callback):
         self.state = policy.state_from_dict(payload["policy"])
         self._step = payload.get("step", self._step)
         evaluation = payload.get("eval") or {}
-        self._eval_micro_batches = int(evaluation.get("micro_batches", 1))
-        self._eval_oom_count = int(evaluation.get("oom_count", 0))
+        self.eval_state = policy.init_eval_state(
+            int(evaluation.get("micro_batches", 1)),
+            int(evaluation.get("oom_count", 0)),
+        )
 
 
 def _too_large_message(batch_size, micro_batches, peak, limit):

@@ -2,6 +2,7 @@
 
 import keras
 
+from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks.sampling import resolve_limits
 from keras_memguard.callbacks.sampling import shared_reader
 from keras_memguard.probes.tf_allocator import AllocatorProbe
@@ -38,9 +39,14 @@ class MemoryMonitor(keras.callbacks.Callback):
     written at the step of the epoch's last batch.
 
     The batch and epoch `logs` get `memory_peak_mib` and `memory_usage` (the
-    highest over devices), so the progress bar, `History` and `CSVLogger`
-    show them. With `steps_per_execution > 1`, one sample covers every step
-    of the execution.
+    highest over devices): in the batch logs, the peak of the batches since
+    the previous sample (the batch's own peak with `update_freq="batch"`);
+    in the epoch logs, the epoch's peak. They are added to the logs the
+    train function returns, so every callback sees them whatever its place
+    in the `callbacks` list: the progress bar, `History`, `CSVLogger` and
+    `keras.callbacks.TensorBoard` (`batch_memory_peak_mib`,
+    `epoch_memory_peak_mib`, ...). With `steps_per_execution > 1`, one
+    sample covers every step of the execution.
 
     Args:
         log_dir: Directory for TensorBoard logs, usually the same as the one
@@ -53,8 +59,9 @@ class MemoryMonitor(keras.callbacks.Callback):
             or a dict from TensorFlow device string to bytes) used for
             `usage`. `None` resolves it as `AllocatorProbe` documents.
             Defaults to `None`.
-        nvml: Whether to read NVML on NVIDIA GPUs. Without NVML or a GPU this
-            is skipped with one warning. Defaults to `True`.
+        nvml: Whether to read NVML on NVIDIA GPUs. When NVML cannot start
+            although TensorFlow sees a GPU, this is skipped with one warning;
+            on a machine without a GPU, silently. Defaults to `True`.
 
     Example:
 
@@ -95,30 +102,75 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._open_interval = False
         self._in_fit = False
         self._limits = ()
+        self._epoch_peak_mib = None
+        self._epoch_usage = None
+        # The logs dict the train function returned last, once this monitor
+        # added its values to it; None when on_train_batch_end must.
+        self._contributed = None
+        self._carrier = None
         if memory_limit is not None:
             AllocatorProbe(memory_limit=memory_limit)  # validates it
 
     def set_model(self, model):
         super().set_model(model)
         self._reader = shared_reader(model)
-        self._reader.register(self)
+        self._reader.register(self, self.memory_limit)
 
     def on_train_begin(self, logs=None):
         self._in_fit = True
         self._limits = resolve_limits(self._reader.probe, self.memory_limit)
         self._reader.reset()
+        if self._writer is not None:
+            self._writer.acquire(self)
+        self._contributed = None
+        self._carrier = logs_carrier.attach(
+            self.model, self, self._contribute, self.params
+        )
 
     def on_train_end(self, logs=None):
         self._in_fit = False
+        self._contributed = None
+        logs_carrier.detach(self.model, self)
         if self._writer is not None:
-            self._writer.flush()
+            self._writer.release(self)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._last_batch = -1
         self._since_sample = 0
         self._epoch_peaks = {}
+        self._epoch_peak_mib = None
+        self._epoch_usage = None
+
+    def _contribute(self, logs):
+        """Adds the batch's values to the train function's own logs.
+
+        Called by the model's `LogsCarrier` right after each train function
+        call, before Keras hands the logs to the callbacks.
+        """
+        # The batch number Keras 3.15 passes to on_train_batch_end: the
+        # execution's last step.
+        steps = self.model.steps_per_execution or 1
+        self._after_batch(
+            self._last_batch + steps, logs, key=self._carrier.batch_key
+        )
+        self._contributed = logs
 
     def on_train_batch_end(self, batch, logs=None):
+        contributed = self._contributed
+        if contributed is None:
+            # No carrier (the train function was replaced after
+            # on_train_begin): read here; only later callbacks see the keys.
+            self._after_batch(batch, logs, key=(id(logs), batch))
+            return
+        self._contributed = None
+        if contributed is not logs:
+            # Keras handed the callbacks a copy; the dict the train function
+            # returned becomes the epoch logs if this was the epoch's last
+            # batch: it carries the epoch's values from here on.
+            _put(contributed, PEAK_LOG_KEY, self._epoch_peak_mib)
+            _put(contributed, USAGE_LOG_KEY, self._epoch_usage)
+
+    def _after_batch(self, batch, logs, key):
         # With steps_per_execution > 1 Keras reports once per execution.
         steps = batch - self._last_batch
         self._last_batch = batch
@@ -136,7 +188,7 @@ class MemoryMonitor(keras.callbacks.Callback):
             self._since_sample = 0
         self._sample(
             logs if due else None,
-            key=(id(logs), batch),
+            key=key,
             write=due or self.update_freq == "epoch",
         )
 
@@ -197,6 +249,8 @@ class MemoryMonitor(keras.callbacks.Callback):
             old = self._epoch_peaks.get(sample.device)
             if old is None or (peak is not None and (old[0] is None or peak > old[0])):
                 self._epoch_peaks[sample.device] = (peak, limit)
+        self._epoch_peak_mib = _max(self._epoch_peak_mib, peak_mib)
+        self._epoch_usage = _max(self._epoch_usage, usage)
         if write and self._nvml_probe is not None and self._nvml_probe.available:
             for reading in self._nvml_probe.sample():
                 tags = self._tags_of(reading.device)

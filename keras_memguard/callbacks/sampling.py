@@ -24,14 +24,24 @@ _readers = weakref.WeakKeyDictionary()
 class SharedAllocatorReader:
     """Reads an `AllocatorProbe` once per batch on behalf of several consumers.
 
+    The probe is made on first use of `probe`. Each consumer applies its
+    own `memory_limit` (see `resolve_limits`); when every consumer has one,
+    the probe is told so and does not warn that no limit is known.
+
     Args:
-        probe: The `AllocatorProbe` to read.
+        probe: The `AllocatorProbe` to read, or `None` to make one for
+            `devices` on first use. Defaults to `None`.
+        devices: The devices the probe reads when the reader makes it
+            (`None`: the probe's default). Defaults to `None`.
     """
 
-    def __init__(self, probe):
-        self.probe = probe
+    def __init__(self, probe=None, devices=None):
+        self._probe = probe
+        self._own_probe = probe is None
         # The devices `shared_reader` asked the probe for (None: default).
-        self.devices = None
+        self.devices = devices
+        # consumer -> the memory limit it registered with (or None).
+        self._limits = weakref.WeakKeyDictionary()
         self._last_key = None
         self._last_samples = ()
         # consumer -> highest peak per device since that consumer's last read.
@@ -39,9 +49,44 @@ class SharedAllocatorReader:
         # collectable.
         self._pending = weakref.WeakKeyDictionary()
 
-    def register(self, consumer):
-        """Starts tracking interval peaks for `consumer` (weak-referenceable)."""
+    @property
+    def probe(self):
+        """The `AllocatorProbe` read, made on first use."""
+        if self._probe is None:
+            self._probe = AllocatorProbe(devices=self.devices)
+            self._probe.limits_given_elsewhere(self._common_limit())
+        return self._probe
+
+    def register(self, consumer, memory_limit=None):
+        """Starts tracking interval peaks for `consumer` (weak-referenceable).
+
+        Args:
+            consumer: The consumer (a callback).
+            memory_limit: The limit the consumer divides by itself (bytes,
+                or a dict from device string to bytes), or `None`. When
+                every consumer has one, the probe does not warn that no
+                limit is known. Defaults to `None`.
+        """
         self._pending.setdefault(consumer, None)
+        self._limits[consumer] = memory_limit
+        if self._own_probe and self._probe is not None:
+            # Takes effect if the probe has not resolved its devices yet.
+            self._probe.limits_given_elsewhere(self._common_limit())
+
+    def _common_limit(self):
+        """A limit covering what every consumer's own limit covers."""
+        limits = list(self._limits.values())
+        if not limits or any(limit is None for limit in limits):
+            return None
+        whole = [limit for limit in limits if not isinstance(limit, dict)]
+        if len(whole) == len(limits):
+            return whole[0]
+        keys = None
+        for limit in limits:
+            if isinstance(limit, dict):
+                names = {normalize_device(key) for key in limit}
+                keys = names if keys is None else keys & names
+        return {key: 1 for key in keys}
 
     def reset(self):
         """Resets the allocator peaks and forgets every pending interval."""
@@ -135,7 +180,9 @@ def shared_reader(model):
     The reader's probe reads the devices of `model.distribute_strategy`'s
     replicas (`replica_devices`), or the probe's default devices when the
     model is not distributed. Its probe resolves limits itself; a callback
-    given its own `memory_limit` applies it through `resolve_limits`.
+    given its own `memory_limit` applies it through `resolve_limits` and
+    registers it (`SharedAllocatorReader.register`), so that the probe warns
+    of an unknown limit only when some callback has none.
 
     Args:
         model: The Keras model being trained.
@@ -146,8 +193,7 @@ def shared_reader(model):
     devices = replica_devices(model)
     reader = _readers.get(model)
     if reader is None or reader.devices != devices:
-        reader = SharedAllocatorReader(AllocatorProbe(devices=devices))
-        reader.devices = devices
+        reader = SharedAllocatorReader(devices=devices)
         _readers[model] = reader
     return reader
 

@@ -1,0 +1,146 @@
+"""Carries the callbacks' values in the logs the train function returns.
+
+Keras' fit loop runs `logs = model.train_function(iterator)`, then hands the
+callbacks, in list order, one copy of those logs: a key a callback adds in
+`on_train_batch_end` reaches only the callbacks after it. And the epoch logs
+are built from the dict the train function returned last: when it holds keys
+other than the model's metrics, `_get_metrics_result_or_logs` returns it
+as it is (Keras 3.8 through 3.15).
+
+So the values are put in where every callback, `History`, `CSVLogger`, the
+progress bar and `keras.callbacks.TensorBoard` see them whatever the order:
+`LogsCarrier` is a thin train function around the model's own. It calls its
+inner function, then each registered contributor with the returned logs
+dict, and returns it. One carrier per model, shared by every callback of the
+package: the first to call `attach` in `on_train_begin` (which Keras calls
+after `make_train_function()`) installs it, `detach` in `on_train_end`
+restores the original function once no contributor is left.
+
+A callback that trains itself (`MemoryGuard`) does not replace the carrier:
+it puts its own train function in `LogsCarrier.inner` (any callable taking
+the iterator and returning the logs dict) and puts the previous one back at
+train end.
+
+The carrier costs one Python call per contributor per execution.
+"""
+
+__all__ = ["LogsCarrier", "attach", "current", "detach", "reinstall"]
+
+
+class LogsCarrier:
+    """A `model.train_function` that lets callbacks add keys to its logs.
+
+    Use `attach` rather than this constructor.
+
+    Args:
+        original: The train function in place before (Keras' own, or `None`
+            when it is still to be made).
+
+    Attributes:
+        inner: The function called with the iterator; its returned dict is
+            given to the contributors. Starts as `original`.
+        original: The function restored when the last contributor detaches.
+        calls: How many times the carrier has been called.
+    """
+
+    def __init__(self, original):
+        self.original = original
+        self.inner = original
+        self.calls = 0
+        self._contributors = {}
+        self._call_list = ()
+        self._fit = None
+
+    def __call__(self, iterator):
+        logs = self.inner(iterator)
+        self.calls += 1
+        if self._call_list and isinstance(logs, dict):
+            for contribute in self._call_list:
+                contribute(logs)
+        return logs
+
+    @property
+    def batch_key(self):
+        """Identifies the latest call, for `SharedAllocatorReader.read`."""
+        return (id(self), self.calls)
+
+    @property
+    def contributors(self):
+        """The registered owners, in the order they attached."""
+        return tuple(self._contributors)
+
+    def _add(self, owner, contribute, fit):
+        if fit is not self._fit:
+            # A new `fit`: what a `fit` that raised (and so never ran
+            # `on_train_end`) left behind is dropped.
+            self._fit = fit
+            self._contributors = {}
+            self.inner = self.original
+        self._contributors[owner] = contribute
+        self._call_list = tuple(self._contributors.values())
+
+    def _remove(self, owner):
+        self._contributors.pop(owner, None)
+        self._call_list = tuple(self._contributors.values())
+
+
+def current(model):
+    """Returns the carrier installed on `model`, or `None`."""
+    function = getattr(model, "train_function", None)
+    return function if isinstance(function, LogsCarrier) else None
+
+
+def attach(model, owner, contribute, fit=None):
+    """Registers `contribute` to run after every train function call.
+
+    Installs the model's carrier first if it has none. Call it from
+    `on_train_begin`, after Keras made the train function.
+
+    Args:
+        model: The Keras model being trained.
+        owner: The registering object (a callback); one registration each.
+        contribute: Called as `contribute(logs)` with the dict the inner
+            train function returned, after every call; it adds its keys.
+        fit: An object that identifies the current `fit` (the callbacks'
+            shared `params` dict). A carrier attached to in an earlier `fit`
+            drops that fit's registrations and inner function first.
+            Defaults to `None`.
+
+    Returns:
+        The `LogsCarrier` now installed as `model.train_function`.
+    """
+    carrier = current(model)
+    if carrier is None:
+        carrier = LogsCarrier(model.train_function)
+        model.train_function = carrier
+    carrier._add(owner, contribute, fit)
+    return carrier
+
+
+def reinstall(model, carrier, original):
+    """Puts `carrier` back after something replaced `model.train_function`.
+
+    Args:
+        model: The Keras model.
+        carrier: The `LogsCarrier` to reinstall, or `None` (nothing to do).
+        original: The function now to call and restore at train end.
+    """
+    if carrier is None or current(model) is carrier:
+        return
+    carrier.original = carrier.inner = original
+    model.train_function = carrier
+
+
+def detach(model, owner):
+    """Unregisters `owner`; restores the original function after the last.
+
+    Args:
+        model: The Keras model.
+        owner: The object given to `attach`.
+    """
+    carrier = current(model)
+    if carrier is None:
+        return
+    carrier._remove(owner)
+    if not carrier._contributors:
+        model.train_function = carrier.original
