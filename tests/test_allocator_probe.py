@@ -265,6 +265,7 @@ emit_result({
 """
 
 
+@pytest.mark.slow
 def test_limit_under_a_real_300_mib_cap():
     run = run_with_memory_cap(_CAPPED_CODE, memory_limit_mib=300, timeout=120)
     result = run.result
@@ -327,6 +328,7 @@ def _result_of(process):
     raise AssertionError(f"No result.\n{stdout[-2000:]}\n{stderr[-4000:]}")
 
 
+@pytest.mark.slow
 def test_default_and_unavailable_modes_without_bfc():
     # Each mode is fixed at TensorFlow import: one process each, run together.
     default_process = _start_mode_process(onednn="1")

@@ -109,6 +109,7 @@ def test_bad_argument_is_refused_naming_it_and_echoing_the_value(kwargs, message
     assert f"`{name}`" in str(info.value)
 
 
+@pytest.mark.slow
 def test_refused_arguments_leave_a_trained_model_training_on():
     x, y = make_data()
     model = make_model()
@@ -133,6 +134,7 @@ def test_refused_arguments_leave_a_trained_model_training_on():
 # --- steps_per_execution > 1: the replay loops in Python. ---
 
 
+@pytest.mark.slow
 @tiny_limit
 def test_steps_per_execution_three_with_a_batch_count_not_divisible_by_three():
     x, y = make_data(200)  # 10 batches of 20: executions of 3, 3, 3 and 1
@@ -164,6 +166,7 @@ def test_steps_per_execution_three_with_a_batch_count_not_divisible_by_three():
 # --- XLA (jit_compile=True). ---
 
 
+@pytest.mark.slow
 @tiny_limit
 def test_jit_compiled_model_trains_and_evaluates_like_plain_xla_training():
     x, y = make_data(160)
@@ -223,6 +226,7 @@ def test_own_train_step_without_the_mixin_is_refused_and_the_model_trains_on():
     assert history.history["samples"] == [200.0]
 
 
+@pytest.mark.slow
 def test_no_resolvable_memory_limit_is_refused_and_the_model_trains_on(monkeypatch):
     monkeypatch.delenv("TF_CPU_BFC_MEM_LIMIT_IN_MB")
     monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC")
@@ -251,6 +255,7 @@ def test_no_resolvable_memory_limit_is_refused_and_the_model_trains_on(monkeypat
 # --- Datasets of unknown length. ---
 
 
+@pytest.mark.slow
 @tiny_limit
 @pytest.mark.parametrize("source", ["filter", "generator"])
 def test_dataset_of_unknown_length_trains_every_sample_once_per_epoch(source):
@@ -295,6 +300,7 @@ def test_dataset_of_unknown_length_trains_every_sample_once_per_epoch(source):
 # --- Batches that cannot be split. ---
 
 
+@pytest.mark.slow
 def test_batches_of_one_sample_are_never_split_however_high_the_usage(caplog):
     x, y = make_data(12)
     model = make_model()

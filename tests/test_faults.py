@@ -382,6 +382,7 @@ def _assert_weights_match(got, expected):
 # --- (1) An out-of-memory error at a random step, three seeds. ---
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(RANDOM_SEEDS)))
 def test_oom_at_a_random_step_is_replayed_without_changing_the_result(runs, common, index):
     result = _check(runs["oom"])["random"][index]
@@ -405,6 +406,7 @@ def test_oom_at_a_random_step_is_replayed_without_changing_the_result(runs, comm
 # --- (2) Twice in a row on the same batch; (5) repeated fits. ---
 
 
+@pytest.mark.slow
 def test_oom_twice_on_one_batch_goes_to_quarters_and_matches_plain_training(runs):
     result = _check(runs["oom"])
     first = result["twice"]["fits"][0]
@@ -418,6 +420,7 @@ def test_oom_twice_on_one_batch_goes_to_quarters_and_matches_plain_training(runs
                for m in messages), messages
 
 
+@pytest.mark.slow
 def test_repeated_fits_keep_micro_batches_and_restore_the_train_function(runs, common):
     twice = _check(runs["oom"])["twice"]
     for fit in twice["fits"]:
@@ -440,6 +443,7 @@ def test_repeated_fits_keep_micro_batches_and_restore_the_train_function(runs, c
 # --- (3) Out of memory during validation. ---
 
 
+@pytest.mark.slow
 def test_validation_oom_is_evaluated_in_slices_and_leaves_training_alone(runs):
     validation = _check(runs["oom"])["validation"]
     history = validation["history"]
@@ -462,6 +466,7 @@ def test_validation_oom_is_evaluated_in_slices_and_leaves_training_alone(runs):
                for m in messages), messages
 
 
+@pytest.mark.slow
 def test_validation_metrics_after_an_oom_equal_an_unconstrained_evaluate(runs, common):
     validation = _check(runs["oom"])["validation"]
     model = common["make_model"](allocate=False)
@@ -475,6 +480,7 @@ def test_validation_metrics_after_an_oom_equal_an_unconstrained_evaluate(runs, c
     assert history["val_loss"][-1] == pytest.approx(expected["loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_new_evaluation_after_an_oom_starts_from_its_own_metrics(runs, common):
     reuse = _check(runs["oom"])["reuse"]
     assert reuse["micro_batches"] == 2  # the heavy batch ran out of memory whole
@@ -491,6 +497,7 @@ def test_a_new_evaluation_after_an_oom_starts_from_its_own_metrics(runs, common)
 # --- (4) SIGKILL mid-run, resumed by BackupAndRestore. ---
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_micro_batches_and_counters_from_the_backup(runs, common):
     returncode, stdout, _, _ = runs["killed"]
     assert returncode == -signal.SIGKILL, stdout[-2000:]
@@ -521,6 +528,7 @@ def _peak_of_one_fit(model, x, y, **kwargs):
 
 # The MLP peaks at a few dozen KiB to a few MiB (what earlier tests left in
 # memory counts too); a limit under 1 MiB is on purpose.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`memory_limit` of .* is under 1 MiB")
 @pytest.mark.parametrize("with_monitor", [False, True])
 def test_validation_peaks_do_not_raise_training_micro_batches(common, with_monitor):

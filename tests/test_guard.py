@@ -133,10 +133,12 @@ def capped_run():
     return run_with_memory_cap(CAPPED_RUN, memory_limit_mib=600, timeout=400).result
 
 
+@pytest.mark.slow
 def test_plain_fit_runs_out_of_memory_under_the_cap(capped_run):
     assert capped_run["plain"] == "oom"
 
 
+@pytest.mark.slow
 def test_guarded_fit_completes_every_epoch_without_losing_a_sample(capped_run):
     assert capped_run["samples"] == [320.0, 320.0]
     assert capped_run["oom_recoveries"] >= 1
@@ -145,6 +147,7 @@ def test_guarded_fit_completes_every_epoch_without_losing_a_sample(capped_run):
     assert capped_run["iterations"] == 2 * 2
 
 
+@pytest.mark.slow
 def test_replay_is_logged_with_what_changed(capped_run):
     assert any(
         message.startswith("out of memory at 1 micro-batch of a batch of 256: "
@@ -153,6 +156,7 @@ def test_replay_is_logged_with_what_changed(capped_run):
     ), capped_run["messages"]
 
 
+@pytest.mark.slow
 def test_replayed_training_matches_unconstrained_training(capped_run):
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
@@ -173,6 +177,7 @@ def test_replayed_training_matches_unconstrained_training(capped_run):
         np.testing.assert_allclose(np.array(got), expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_single_sample_that_does_not_fit_raises_a_clear_error(capped_run):
     message, limit, peak = capped_run["too_large"]
     assert limit == 600 * MIB
@@ -185,6 +190,7 @@ def test_single_sample_that_does_not_fit_raises_a_clear_error(capped_run):
 # --- Decisions from measured peaks (in process, no OOM). ---
 
 
+@pytest.mark.slow
 def test_guard_doubles_micro_batches_when_the_peak_reaches_the_threshold(caplog, tmp_path):
     x, y = make_data()
     model = make_mlp()
@@ -238,6 +244,7 @@ def test_guard_can_start_split():
     assert history.history["samples"] == [200.0]
 
 
+@pytest.mark.slow
 def test_state_persists_across_fits_and_train_function_is_restored():
     x, y = make_data()
     model = make_mlp()
@@ -295,6 +302,7 @@ def test_other_errors_pass_through_untouched():
                   callbacks=[keras_memguard.MemoryGuard(memory_limit=1 << 40)])
 
 
+@pytest.mark.slow
 def test_save_and_load_after_guarded_training_give_the_original_class(tmp_path):
     x, y = make_data()
     model = make_mlp()
@@ -308,6 +316,7 @@ def test_save_and_load_after_guarded_training_give_the_original_class(tmp_path):
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
+@pytest.mark.slow
 def test_backup_and_restore_resumes_micro_batches_and_counters(tmp_path):
     x, y = make_data()
     model = make_mlp()
@@ -338,6 +347,7 @@ def test_backup_and_restore_resumes_micro_batches_and_counters(tmp_path):
     assert len(history.history["loss"]) == 2  # resumed at epoch 1
 
 
+@pytest.mark.slow
 def test_mixin_model_follows_the_guard():
     class Net(keras_memguard.MemGuardMixin, keras.Model):
         def __init__(self, **kwargs):
@@ -361,6 +371,7 @@ def test_mixin_model_follows_the_guard():
     assert history.history["samples"] == [200.0]
 
 
+@pytest.mark.slow
 def test_shrink_mode_scales_a_float_learning_rate_and_restores_it():
     x, y = make_data()
     model = make_mlp()

@@ -12,6 +12,9 @@ import pytest
 from keras_memguard.testing import run_with_memory_cap
 from tensorboard.backend.event_processing import event_accumulator
 
+# Every test here starts processes of its own.
+pytestmark = pytest.mark.slow
+
 # Shared by both subprocesses: two logical CPUs, a mirrored model factory.
 SETUP = """
 import logging

@@ -20,6 +20,9 @@ import keras
 from keras_memguard.testing import RESULT_MARKER
 from keras_memguard.testing import memory_cap_env
 
+# Every test here starts processes of its own.
+pytestmark = pytest.mark.slow
+
 WORKER_TIMEOUT = 75  # seconds, for both workers together
 
 # The test model at 48x48 inputs and 128 samples per worker: with 2 GiB

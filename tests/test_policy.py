@@ -52,6 +52,7 @@ def with_observations(micro_batches, *observations):
 # --- Import hygiene and module surface ----------------------------------
 
 
+@pytest.mark.slow
 def test_module_file_imports_no_tensorflow_keras_or_numpy():
     code = (
         "import importlib.util, sys\n"
