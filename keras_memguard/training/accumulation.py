@@ -173,7 +173,9 @@ def _warn_input_dependent_losses(model, losses, inputs, micro_batches):
     if not tf.inside_function():
         return
     sources = {id(t.op) for t in flat_tensors(inputs) if hasattr(t, "op")}
-    if not any(_depends_on(loss, sources) for loss in losses):
+    # A mean over the batch is exact; only a sum (a `Sum` op between the
+    # inputs and the loss, and no `Mean`) is not.
+    if not any(_sums_over_inputs(loss, sources) for loss in losses):
         return
     object.__setattr__(model, _INPUT_LOSS_WARNED_ATTR, True)
     warnings.warn(
@@ -188,11 +190,17 @@ def _warn_input_dependent_losses(model, losses, inputs, micro_batches):
     )
 
 
-def _depends_on(tensor, source_ops, limit=100000):
-    """Whether `tensor` is computed from any op in `source_ops` (graph walk)."""
+def _sums_over_inputs(tensor, source_ops, limit=100000):
+    """Whether `tensor` sums over values computed from `source_ops`.
+
+    Walks the graph back from `tensor` to the inputs: true when it reaches
+    them through a `Sum` and no `Mean` (`ops.mean` is exact).
+    """
     if not hasattr(tensor, "op"):
         return False
     seen = set()
+    types = set()
+    reached = False
     stack = [tensor.op]
     while stack and len(seen) < limit:
         op = stack.pop()
@@ -200,9 +208,11 @@ def _depends_on(tensor, source_ops, limit=100000):
             continue
         seen.add(id(op))
         if id(op) in source_ops:
-            return True
+            reached = True
+            continue
+        types.add(op.type)
         stack.extend(t.op for t in op.inputs)
-    return False
+    return reached and "Sum" in types and "Mean" not in types
 
 
 def _input_losses(model):

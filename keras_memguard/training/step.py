@@ -120,24 +120,26 @@ def build_training_state(model, data):
         return  # `fit` already built it under the strategy.
     try:
         compat.symbolic_build(model, data)
-    except (ValueError, NotImplementedError, TypeError):
+    except (ValueError, NotImplementedError, TypeError, RuntimeError):
         if not trains_with_own_step(model):
             raise
         build_optimizer(model)
 
 
-def _update_output_losses(model, output_losses, x):
+def _update_output_losses(model, output_losses):
     """Updates each `<output>_loss` tracker once, as Keras does per batch.
 
-    Keras weighs each update by the batch size known at trace time (none
-    when the shape is not static); the same weight is used here.
+    Keras weighs each update by the batch size known when its train
+    function was traced, from the dataset's element spec: unknown for a
+    batched dataset with a short last batch (weight 1 per batch), or the
+    same for every batch. Weight 1 per batch gives the same mean in both
+    cases.
     """
     metrics = compat.per_output_loss_metrics(model)
     if not output_losses or len(metrics) != len(output_losses):
         return
-    weight = tf.TensorShape(first_tensor(x).shape)[0]
     for metric, value in zip(metrics, output_losses):
-        metric.update_state(value, sample_weight=weight)
+        metric.update_state(value)
 
 
 def finish_step(model, data, result, gradients):
@@ -153,7 +155,7 @@ def finish_step(model, data, result, gradients):
     tracker = compat.loss_tracker(model)
     if tracker is not None:
         tracker.update_state(result.loss, sample_weight=result.batch_size)
-    _update_output_losses(model, result.output_losses, x)
+    _update_output_losses(model, result.output_losses)
     if gradients is not None:
         if model.trainable_weights:
             model.optimizer.apply(gradients, model.trainable_weights)
