@@ -15,11 +15,12 @@ from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.probes.tf_allocator import AllocatorProbe
 from keras_memguard.sinks import tensorboard as tb
+from keras_memguard.training import compat
 from keras_memguard.training import multi_worker
 from keras_memguard.training.eval_replay import ReplayTestFunction
-from keras_memguard.training.splitting import validate_micro_batches
 from keras_memguard.training.mixin import MemGuardMixin
 from keras_memguard.training.replay import ReplayTrainFunction
+from keras_memguard.training.splitting import validate_micro_batches
 
 logger = logging.getLogger("keras_memguard")
 
@@ -455,7 +456,7 @@ class MemoryGuard(keras.callbacks.Callback):
 
     def _scale_learning_rate(self, micro_batches):
         learning_rate = self.model.optimizer.learning_rate
-        if not hasattr(self.model.optimizer._learning_rate, "assign"):
+        if compat.learning_rate_variable(self.model.optimizer) is None:
             raise UnsupportedTrainingSetupError(
                 "`scale_learning_rate=True` needs a float learning rate; this "
                 "optimizer uses a schedule. HINT: scale the schedule yourself "
