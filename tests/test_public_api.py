@@ -56,3 +56,24 @@ def test_readme_shows_every_public_name_in_use():
             assert f"`{name}`" in text, name
         else:
             assert re.search(rf"\b{name}\b", code), name
+
+
+# The training core's names for a `train_step` of your own, written out.
+TRAINING_API = [
+    "AccumulatedGradients",
+    "MicroBatch",
+    "accumulate_gradients",
+    "has_batch_statistics_layers",
+    "make_step_function",
+    "micro_batch_train_step",
+    "split_micro_batches",
+]
+
+
+def test_training_all_is_pinned_and_documented():
+    import keras_memguard.training as training
+
+    assert training.__all__ == TRAINING_API
+    for name in training.__all__:
+        doc = inspect.getdoc(getattr(training, name))
+        assert doc and len(doc.splitlines()[0]) > 10, name
