@@ -9,8 +9,6 @@ import json
 import os
 import re
 import subprocess
-import sys
-import textwrap
 import warnings
 
 import pytest
@@ -24,6 +22,7 @@ from keras_memguard.probes.tf_allocator import _cpu_bfc_limit_bytes
 from keras_memguard.probes.tf_allocator import logical_device_limits
 from keras_memguard.testing import RESULT_MARKER
 from keras_memguard.testing import run_with_memory_cap
+import programs
 
 FLOATS_16_MIB = 4 * MIB  # float32 elements in 16 MiB
 # Set by conftest.py before TensorFlow was imported.
@@ -240,34 +239,12 @@ def test_logical_device_limits_number_virtual_devices_across_physical():
     }
 
 
-_CAPPED_CODE = """
-import warnings
-warnings.simplefilter("always")
-import tensorflow as tf
-from keras_memguard.probes import AllocatorProbe
-from keras_memguard.testing import emit_result
-
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    probe = AllocatorProbe()
-    probe.reset()
-    x = tf.zeros([50 * 2**20])  # 200 MiB of float32
-    (s,) = probe.sample()
-emit_result({
-    "mode": probe.mode,
-    "limit": probe.limit_bytes("CPU:0"),
-    "source": probe.limit_source("CPU:0"),
-    "peak": s.peak_bytes,
-    "usage": s.usage,
-    "user_limit": AllocatorProbe(memory_limit=2**30).limit_bytes("CPU:0"),
-    "warnings": [str(w.message) for w in caught],
-})
-"""
-
 
 @pytest.mark.slow
 def test_limit_under_a_real_300_mib_cap():
-    run = run_with_memory_cap(_CAPPED_CODE, memory_limit_mib=300, timeout=120)
+    run = run_with_memory_cap(
+        programs.source("allocator_limit_under_cap"), memory_limit_mib=300, timeout=120
+    )
     result = run.result
     assert result["mode"] == "bfc"
     assert result["limit"] == 300 * MIB
@@ -279,29 +256,6 @@ def test_limit_under_a_real_300_mib_cap():
     assert result["warnings"] == []
 
 
-_MODE_CODE = """
-import warnings
-import tensorflow as tf
-from keras_memguard.probes import AllocatorProbe
-from keras_memguard.testing import emit_result
-
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    probe = AllocatorProbe()
-    probe.reset()
-    small = tf.zeros([16])  # Below what the default allocator counts.
-    samples = [probe.sample() for _ in range(3)]
-    big = tf.zeros([4 * 2**20])
-    samples.append(probe.sample())
-emit_result({
-    "mode": probe.mode,
-    "source": probe.limit_source("CPU:0"),
-    "limit": probe.limit_bytes("CPU:0"),
-    "samples": [[s.current_bytes, s.peak_bytes, s.usage] for (s,) in samples],
-    "warnings": [[str(w.message), w.filename] for w in caught],
-})
-"""
-
 
 def _start_mode_process(onednn):
     env = {
@@ -311,7 +265,7 @@ def _start_mode_process(onednn):
     }
     env["TF_ENABLE_ONEDNN_OPTS"] = onednn
     return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(_MODE_CODE)],
+        programs.command("allocator_modes"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -344,7 +298,7 @@ def test_default_and_unavailable_modes_without_bfc():
     assert "small allocations" in message
     assert "no memory limit is known" in message
     assert "HINT" in message and "TF_CPU_ALLOCATOR_USE_BFC=true" in message
-    assert filename == "<string>"
+    assert filename == str(programs.path("allocator_modes"))
     for current, peak, usage in default["samples"]:
         assert isinstance(current, int) and isinstance(peak, int)
         assert usage is None

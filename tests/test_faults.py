@@ -9,8 +9,9 @@ of a batch, needs far more memory than the others. Under a 400 MiB cap:
 
 Every real out-of-memory error costs about 10 s (the BFC allocator retries),
 so the scenarios share two capped processes that run side by side: one for
-the out-of-memory scenarios (seven errors), one for a run killed with
-SIGKILL and resumed through `keras.callbacks.BackupAndRestore`. The
+the out-of-memory scenarios (seven errors, tests/programs/faults_oom.py),
+one for a run killed with SIGKILL and resumed through
+`keras.callbacks.BackupAndRestore` (tests/programs/faults_kill.py). The
 unconstrained reference runs happen here, under the suite's 8 GiB cap.
 """
 
@@ -19,7 +20,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -30,6 +30,8 @@ import keras_memguard
 from keras_memguard.testing import RESULT_MARKER
 from keras_memguard.testing import memory_cap_env
 from keras_memguard.training.eval_replay import ReplayTestFunction
+from programs import faults_model
+import programs
 
 MIB = 1024 * 1024
 CAP_MIB = 400
@@ -37,77 +39,6 @@ BATCH = 16
 FIT_MIB = 30  # per marked sample: 480 MiB a batch, 240 MiB a half
 QUARTER_MIB = 60  # per marked sample: 960 MiB a batch, 240 MiB a quarter
 
-# Shared, as source, by the capped processes and the reference runs here.
-COMMON = """
-import numpy as np
-import keras
-import tensorflow as tf
-
-MIB_FLOATS = 262144  # float32 values in one MiB
-
-
-class MemoryHog(keras.layers.Layer):
-    \"\"\"Drops the marker column and allocates sum(markers) MiB meanwhile.
-
-    With `allocate=False` it only drops the column: the same numbers
-    without the memory, for reference runs in a process that must stay
-    small.
-    \"\"\"
-
-    def __init__(self, allocate=True, **kwargs):
-        super().__init__(**kwargs)
-        self.allocate = allocate
-
-    def call(self, x):
-        if not self.allocate:
-            return x[:, 1:]
-        count = tf.cast(tf.reduce_sum(x[:, 0]) * MIB_FLOATS, tf.int32)
-        # A fill value computed from the input: nothing to fold away.
-        hog = tf.fill([count], tf.reduce_mean(x[:, 1]) * 0.0 + 1.0)
-        return x[:, 1:] + tf.stop_gradient(tf.reduce_sum(hog)) * 0.0
-
-    def compute_output_shape(self, shape):
-        return (shape[0], shape[1] - 1)
-
-
-class SampleCount(keras.metrics.Metric):
-    \"\"\"Counts the samples a metric update sees: none lost, none twice.\"\"\"
-
-    def __init__(self, name="samples", **kwargs):
-        super().__init__(name=name, **kwargs)
-        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
-
-    def update_state(self, y_true, y_pred, sample_weight=None):
-        self.count.assign_add(tf.cast(tf.shape(y_true)[0], "float32"))
-
-    def result(self):
-        # A copy: the variable itself would change under `fit`'s epoch logs
-        # when validation reuses the metric.
-        return self.count * 1.0
-
-
-def make_model(allocate=True):
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((9,)),
-        MemoryHog(allocate),
-        keras.layers.Dense(32, activation="relu"),
-        keras.layers.Dense(1),
-    ])
-    model.compile("adam", "mse", metrics=[SampleCount()])
-    return model
-
-
-def make_data(batches, marks, seed=0, batch=16):
-    \"\"\"`batches` batches; `marks` maps a sample range to MiB per sample.\"\"\"
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(batches * batch, 9)).astype("float32")
-    y = (x[:, 1:2] - 0.5 * x[:, 2:3]).astype("float32")
-    x[:, 0] = 0.0
-    for (start, stop), mib in marks:
-        x[start:stop, 0] = mib
-    return x, y
-"""
 
 # The plan of the out-of-memory process, fixed here so the references agree.
 RANDOM_SEEDS = (11, 22, 33)
@@ -127,176 +58,11 @@ TWICE_BATCHES = 8
 VAL_SAMPLES = 64
 VAL_BATCH = 32
 
-OOM_RUN = """
-import logging
-from keras_memguard.testing import emit_result
-import keras_memguard
-from keras_memguard.training.eval_replay import ReplayTestFunction
-from keras_memguard.training.replay import ReplayTrainFunction
-
-messages = []
 
 
-class Collect(logging.Handler):
-    def emit(self, record):
-        messages.append(record.getMessage())
-
-
-logging.getLogger("keras_memguard").addHandler(Collect())
-logging.getLogger("keras_memguard").setLevel(logging.INFO)
-
-
-class Record(keras.callbacks.Callback):
-    \"\"\"What the guard holds after each training batch.\"\"\"
-
-    def __init__(self, guard):
-        super().__init__()
-        self.guard = guard
-        self.seen = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen.append([self.guard.oom_recoveries, self.guard.micro_batches])
-
-
-def weights(model):
-    return [w.tolist() for w in model.get_weights()]
-
-
-out = {}
-
-# (1) One batch at a random step runs out of memory: replayed in halves.
-out["random"] = []
-for entry in PLAN:
-    start = entry["step"] * BATCH
-    x, y = make_data(RANDOM_BATCHES, [((start, start + BATCH), FIT_MIB)], seed=entry["seed"])
-    model = make_model()
-    guard = keras_memguard.MemoryGuard()
-    record = Record(guard)
-    history = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
-                        callbacks=[guard, record])
-    out["random"].append({
-        "seen": record.seen,
-        "samples": history.history["samples"],
-        "iterations": int(model.optimizer.iterations.numpy()),
-        "weights": weights(model),
-    })
-
-# (2) The same batch runs out of memory twice: halves fail too, quarters fit.
-# (5) Then two more fits with the same guard: k stays, nothing lost.
-start = TWICE_STEP * BATCH
-x, y = make_data(TWICE_BATCHES, [((start, start + BATCH), QUARTER_MIB)], seed=5)
-model = make_model()
-guard = keras_memguard.MemoryGuard()
-fits = []
-for _ in range(3):
-    before = model.train_function
-    record = Record(guard)
-    history = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
-                        callbacks=[guard, record])
-    after = model.train_function
-    fits.append({
-        "seen": record.seen,
-        "samples": history.history["samples"],
-        "micro_batches_log": history.history["micro_batches"],
-        "restored": after is not None and not isinstance(after, ReplayTrainFunction),
-        "same_function": before is None or after is before,
-    })
-out["twice"] = {
-    "fits": fits,
-    "iterations": int(model.optimizer.iterations.numpy()),
-    "weights": weights(model),
-}
-out["twice_messages"] = list(messages)
-
-# (3) Validation runs out of memory twice in one batch, the second time
-# after its first half was evaluated; training data is plain.
-del messages[:]
-x, y = make_data(6, [], seed=7)
-val_x, val_y = make_data(VAL_SAMPLES // BATCH, [((16, 32), FIT_MIB)], seed=8)
-model = make_model()
-guard = keras_memguard.MemoryGuard()
-history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                    validation_data=(val_x, val_y), validation_batch_size=VAL_BATCH,
-                    callbacks=[guard])
-out["validation"] = {
-    "history": history.history,
-    "micro_batches": guard.micro_batches,
-    "oom_recoveries": guard.oom_recoveries,
-    "eval_micro_batches": guard.eval_micro_batches,
-    "eval_oom_recoveries": guard.eval_oom_recoveries,
-    "test_function_restored": not isinstance(model.test_function, ReplayTestFunction),
-    "messages": list(messages),
-    "weights": weights(model),
-}
-
-# (3b) One ReplayTestFunction for two evaluations; the second runs out of
-# memory in its first batch, which must not bring back the first's metrics.
-model = make_model()
-function = ReplayTestFunction(model, on_out_of_memory=lambda n, k, error: 2 * k)
-function.install()
-plain_x, plain_y = make_data(VAL_SAMPLES // BATCH, [], seed=8)
-heavy_x, heavy_y = make_data(VAL_SAMPLES // BATCH, [((0, VAL_BATCH), FIT_MIB / 2)], seed=8)
-first = model.evaluate(plain_x, plain_y, batch_size=VAL_BATCH, verbose=0, return_dict=True)
-second = model.evaluate(heavy_x, heavy_y, batch_size=VAL_BATCH, verbose=0, return_dict=True)
-out["reuse"] = {"first": first, "second": second, "micro_batches": function.micro_batches}
-function.restore()
-emit_result(out)
-"""
-
-KILL_RUN = """
-import os
-import signal
-import sys
-from keras_memguard.testing import emit_result
-import keras_memguard
-
-BACKUP = sys.argv[1]
-KILL = sys.argv[2] == "kill"
-EPOCHS = 3
-start = 2 * BATCH
-x, y = make_data(10, [((start, start + BATCH), FIT_MIB)], seed=9)
-model = make_model()
-model(x[:1])  # BackupAndRestore needs a built model
-
-
-class Kill(keras.callbacks.Callback):
-    def on_train_batch_end(self, batch, logs=None):
-        if self.params and EPOCH[0] == 1 and batch == 6:
-            print("killed at", EPOCH[0], batch, guard.micro_batches,
-                  guard.oom_recoveries, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        EPOCH[0] = epoch
-
-
-class Seen(keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        SEEN.append([guard.micro_batches, guard.oom_recoveries])
-
-
-EPOCH = [0]
-SEEN = []
-guard = keras_memguard.MemoryGuard(backup_dir=BACKUP)
-callbacks = [keras.callbacks.BackupAndRestore(BACKUP, save_freq=3), guard, Seen()]
-if KILL:
-    callbacks.append(Kill())
-history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                    callbacks=callbacks)
-emit_result({
-    "seen": SEEN,
-    "epochs": history.epoch,
-    "samples": history.history["samples"],
-    "micro_batches": guard.micro_batches,
-    "oom_recoveries": guard.oom_recoveries,
-    "weights": [w.tolist() for w in model.get_weights()],
-})
-"""
-
-
-def _script(body, **constants):
-    header = "".join(f"{name} = {value!r}\n" for name, value in constants.items())
-    return textwrap.dedent(COMMON) + header + textwrap.dedent(body)
+def _script(name, *args, **constants):
+    """Source that runs tests/programs/NAME.py with the constants (JSON) and args."""
+    return programs.source(name, json.dumps(constants), *args)
 
 
 def _start(code, *args):
@@ -341,15 +107,15 @@ def runs(tmp_path_factory):
         VAL_BATCH=VAL_BATCH, PLAN=random_plan(),
     )
     backup = str(tmp_path_factory.mktemp("faults") / "backup")
-    oom = _start(_script(OOM_RUN, **constants))
-    kill_code = _script(KILL_RUN, BATCH=BATCH, FIT_MIB=FIT_MIB)
-    killed = _finish(_start(kill_code, backup, "kill"))
+    oom = _start(_script("faults_oom", **constants))
+    kill_constants = dict(BATCH=BATCH, FIT_MIB=FIT_MIB)
+    killed = _finish(_start(_script("faults_kill", backup, "kill", **kill_constants)))
     state_after_kill = None
     state_path = os.path.join(backup, "memguard_state.json")
     if os.path.exists(state_path):
         with open(state_path) as f:
             state_after_kill = json.load(f)
-    resumed = _finish(_start(kill_code, backup, "resume"))
+    resumed = _finish(_start(_script("faults_kill", backup, "resume", **kill_constants)))
     return {
         "oom": _finish(oom),
         "killed": killed,
@@ -360,9 +126,8 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def common():
-    namespace = {}
-    exec(textwrap.dedent(COMMON), namespace)
-    return namespace
+    """The capped programs' model and data, for the reference runs here."""
+    return vars(faults_model)
 
 
 def _reference_weights(common, x, y, fits=1):

@@ -14,6 +14,7 @@ from helpers import SampleCount
 from keras_memguard.callbacks.sampling import shared_reader
 from keras_memguard.testing import run_with_memory_cap
 from keras_memguard.training.replay import ReplayTrainFunction
+import programs
 from tensorboard.backend.event_processing import event_accumulator
 
 MIB = 1024 * 1024
@@ -56,81 +57,12 @@ def first_batch_peak(model, x, y, batch_size):
 
 # --- Out-of-memory replay under a real cap (one subprocess, three OOMs). ---
 
-CAPPED_RUN = """
-import logging
-import numpy as np
-import keras
-import tensorflow as tf
-import keras_memguard
-from keras_memguard.testing import emit_result
-
-class SampleCount(keras.metrics.Metric):
-    def __init__(self, name="samples", **kwargs):
-        super().__init__(name=name, **kwargs)
-        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
-    def update_state(self, y_true, y_pred, sample_weight=None):
-        self.count.assign_add(tf.cast(tf.shape(y_true)[0], "float32"))
-    def result(self):
-        return self.count
-
-def make_model():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((64, 64, 3)),
-        keras.layers.Conv2D(64, 3, activation="relu"),
-        keras.layers.Conv2D(64, 3, activation="relu"),
-        keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(10),
-    ])
-    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=[SampleCount()])
-    return model
-
-rng = np.random.default_rng(0)
-x = rng.normal(size=(320, 64, 64, 3)).astype("float32")
-y = rng.integers(0, 10, size=(320,))
-out = {}
-
-try:
-    make_model().fit(x, y, batch_size=256, epochs=1, shuffle=False, verbose=0)
-    out["plain"] = "completed"
-except tf.errors.ResourceExhaustedError:
-    out["plain"] = "oom"
-
-messages = []
-class Collect(logging.Handler):
-    def emit(self, record):
-        messages.append(record.getMessage())
-logging.getLogger("keras_memguard").addHandler(Collect())
-logging.getLogger("keras_memguard").setLevel(logging.INFO)
-
-model = make_model()
-guard = keras_memguard.MemoryGuard(threshold=0.9)
-history = model.fit(x, y, batch_size=256, epochs=2, shuffle=False, verbose=0,
-                    callbacks=[guard])
-out["samples"] = history.history["samples"]
-out["micro_batches"] = guard.micro_batches
-out["oom_recoveries"] = guard.oom_recoveries
-out["messages"] = messages
-out["weights"] = [w.tolist() for w in model.get_weights()[-2:]]
-out["iterations"] = int(model.optimizer.iterations.numpy())
-
-big = keras.Sequential([keras.Input((512, 512, 3)), keras.layers.Conv2D(512, 3),
-                        keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(1)])
-big.compile("sgd", "mse")
-try:
-    big.fit(np.zeros((1, 512, 512, 3), "float32"), np.zeros((1, 1), "float32"),
-            batch_size=1, verbose=0, callbacks=[keras_memguard.MemoryGuard()])
-    out["too_large"] = None
-except keras_memguard.MicroBatchTooLargeError as error:
-    out["too_large"] = [str(error), error.limit_bytes, error.peak_bytes]
-emit_result(out)
-"""
-
 
 @pytest.fixture(scope="module")
 def capped_run():
-    return run_with_memory_cap(CAPPED_RUN, memory_limit_mib=600, timeout=400).result
+    return run_with_memory_cap(
+        programs.source("guard_under_cap"), memory_limit_mib=600, timeout=400
+    ).result
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ equivalence test is Keras' own built-in `train_step` on the whole batch.
 
 import contextlib
 import re
-import textwrap
 import warnings
 
 import numpy as np
@@ -21,6 +20,7 @@ from keras_memguard.training import has_batch_statistics_layers
 from keras_memguard.training import make_step_function
 from keras_memguard.training import split_micro_batches
 from keras_memguard.training.mixin import MemGuardMixin
+import programs
 
 # 203 samples in batches of 50: 4 full batches (50 is divisible by none of
 # 3, 4 and 8) and a last batch of 3, smaller than k = 4 and k = 8.
@@ -348,54 +348,7 @@ def test_failed_step_leaves_no_trace():
     # Micro-batch 0 is light; micro-batch 1 allocates ~2.6 GB under a 512
     # MiB cap: a real out-of-memory error inside the micro-batch loop,
     # after micro-batch 0's gradients exist.
-    code = textwrap.dedent(
-        """
-        import numpy as np
-        import keras
-        import tensorflow as tf
-        from keras_memguard.testing import emit_result
-        from keras_memguard.training import make_step_function
-
-        class Hog(keras.layers.Layer):
-            # Allocates in proportion to max(x[:, 0]); passes x on.
-            def call(self, x):
-                reps = tf.cast(tf.reduce_max(x[:, 0]), tf.int32)
-                big = tf.tile(x, [reps, 1])
-                return x + 0.0 * tf.reduce_mean(tf.sin(big))
-
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([
-            keras.Input((1024,)), Hog(),
-            keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1),
-        ])
-        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
-        step = make_step_function(model, 2)
-        x = np.ones((64, 1024), "float32")
-        y = np.ones((64, 1), "float32")
-        step((x, y))  # Builds the optimizer and metrics, traces.
-        state = model.weights + model.optimizer.variables
-        state += model.metrics_variables
-        before = [v.numpy().copy() for v in state]
-        heavy = x.copy()
-        heavy[32:, 0] = 20000.0
-        try:
-            step((heavy, y))
-            oom = False
-        except tf.errors.ResourceExhaustedError:
-            oom = True
-        changed = [
-            v.path for v, old in zip(state, before)
-            if not np.array_equal(v.numpy(), old)
-        ]
-        iterations = int(model.optimizer.iterations)
-        step((x, y))  # The same step still works afterwards.
-        emit_result({
-            "oom": oom,
-            "changed": changed,
-            "iterations": [iterations, int(model.optimizer.iterations)],
-        })
-        """
-    )
+    code = programs.source("micro_batch_failed_step")
     run = run_with_memory_cap(code, memory_limit_mib=512, timeout=180)
     assert run.result["oom"], run.stderr[-2000:]
     assert run.result["changed"] == []

@@ -40,6 +40,7 @@ from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks.monitor import MemoryMonitor
 from keras_memguard.probes.nvml import NvmlProbe
 from keras_memguard.testing import run_with_memory_cap
+import programs
 
 MIB = 1024 * 1024
 # Set by conftest.py before TensorFlow was imported.
@@ -728,44 +729,16 @@ def test_model_and_monitor_are_freed_after_fit():
 
 
 # --------------------------------------------------------------------------
-# Limit and usage under a real 512 MiB cap (the one subprocess).
-
-_CAPPED_CODE = """
-import warnings
-warnings.simplefilter("ignore")
-import keras
-import numpy as np
-from tensorboard.backend.event_processing import event_accumulator
-from keras_memguard.callbacks.monitor import MemoryMonitor
-from keras_memguard.testing import emit_result
-
-log_dir = {log_dir!r}
-rng = np.random.default_rng(0)
-x = rng.random((4096, 1024), dtype=np.float32)
-y = rng.random((4096, 1), dtype=np.float32)
-model = keras.Sequential([
-    keras.Input((1024,)),
-    keras.layers.Dense(4096, activation="relu"),
-    keras.layers.Dense(1),
-])
-model.compile(optimizer="sgd", loss="mse")
-history = model.fit(x, y, batch_size=2048, epochs=1, verbose=0,
-                    callbacks=[MemoryMonitor(log_dir=log_dir)])
-acc = event_accumulator.EventAccumulator(
-    log_dir + "/memguard", size_guidance={{event_accumulator.SCALARS: 0}})
-acc.Reload()
-emit_result({{
-    "scalars": {{t: [[e.step, e.value] for e in acc.Scalars(t)]
-                for t in acc.Tags()["scalars"]}},
-    "history": {{k: [float(v) for v in vs] for k, vs in history.history.items()}},
-}})
-"""
+# Limit and usage under a real 512 MiB cap (the one subprocess:
+# tests/programs/monitor_under_cap.py).
 
 
 @pytest.mark.slow
 def test_limit_and_usage_under_a_real_512_mib_cap(tmp_path):
     run = run_with_memory_cap(
-        _CAPPED_CODE.format(log_dir=str(tmp_path)), memory_limit_mib=512, timeout=300
+        programs.source("monitor_under_cap", str(tmp_path)),
+        memory_limit_mib=512,
+        timeout=300,
     )
     assert run.result is not None, run.stderr[-4000:]
     scalars = run.result["scalars"]

@@ -8,8 +8,6 @@ kills whatever is left. Workers report through `emit_result`.
 import json
 import socket
 import subprocess
-import sys
-import textwrap
 import time
 
 import numpy as np
@@ -19,6 +17,7 @@ import keras
 
 from keras_memguard.testing import RESULT_MARKER
 from keras_memguard.testing import memory_cap_env
+import programs
 
 # Every test here starts processes of its own.
 pytestmark = pytest.mark.slow
@@ -31,128 +30,6 @@ WORKER_TIMEOUT = 75  # seconds, for both workers together
 # caps of 96, 110 and 124 MiB).
 CAP_OOM_MIB = 110
 OOM_SCENARIO = {"side": 48, "n": 512, "batch": 256}
-
-# The worker program. The scenario (a JSON dict) comes through the environment.
-WORKER = """
-import json, os, time
-import numpy as np
-import keras
-import tensorflow as tf
-import keras_memguard
-from keras_memguard.callbacks import guard as guard_module
-from keras_memguard.testing import emit_result
-from keras_memguard.training import multi_worker
-
-scenario = json.loads(os.environ["MEMGUARD_SCENARIO"])
-task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
-
-MemoryGuard = keras_memguard.MemoryGuard
-if not hasattr(guard_module, "multi_worker"):
-    # Until guard.py is wired: the integration proposed for it.
-    from keras_memguard import policy
-
-    class MemoryGuard(keras_memguard.MemoryGuard):
-        def on_train_begin(self, logs=None):
-            multi_worker.prepare_multi_worker(self.model)
-            super().on_train_begin(logs)
-            self._function = multi_worker.MultiWorkerTrainFunction(
-                self.model, micro_batches=self.state.micro_batches,
-                mode=self.mode, on_out_of_memory=self._on_out_of_memory)
-            self.model.train_function = self._function
-
-        def on_train_batch_end(self, batch, logs=None):
-            real_decide = policy.decide
-            def decide(config, state, usage):
-                usage, _ = multi_worker.agree_on_usage(strategy, usage)
-                return real_decide(config, state, usage)
-            policy.decide = decide
-            try:
-                super().on_train_batch_end(batch, logs)
-            finally:
-                policy.decide = real_decide
-
-
-class Record(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.k = []
-        self.times = []
-    def on_train_begin(self, logs=None):
-        self.times.append(round(time.monotonic() - start, 2))
-    def on_train_batch_end(self, batch, logs=None):
-        self.k.append(int(logs["micro_batches"]))
-        self.times.append(round(time.monotonic() - start, 2))
-
-
-class ClippedNet(keras_memguard.MemGuardMixin, keras.Model):
-    # A `train_step` override: keras_memguard cannot split it in two.
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.conv = keras.layers.Conv2D(32, 3, activation="relu")
-        self.pool = keras.layers.GlobalAveragePooling2D()
-        self.dense = keras.layers.Dense(1)
-
-    def call(self, x):
-        return self.dense(self.pool(self.conv(x)))
-
-    def train_step(self, data):
-        from keras_memguard.training import accumulate_gradients
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        result = accumulate_gradients(self, data, self.micro_batches)
-        gradients = [tf.clip_by_norm(g, 1.0) for g in result.gradients]
-        with tf.control_dependencies(result.control_inputs()):
-            self._loss_tracker.update_state(
-                result.loss, sample_weight=result.batch_size)
-            self.optimizer.apply(gradients, self.trainable_weights)
-            return self.compute_metrics(
-                x, y, result.y_pred, sample_weight=sample_weight)
-
-
-def make_model():
-    keras.utils.set_random_seed(0)
-    if scenario.get("custom_step"):
-        with strategy.scope():
-            model = ClippedNet()
-            model.build((None, scenario["side"], scenario["side"], 3))
-            model.compile(optimizer="adam", loss="mse", metrics=["mae"])
-        return model
-    with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((scenario["side"], scenario["side"], 3)),
-            keras.layers.Conv2D(32, 3, activation="relu"),
-            keras.layers.GlobalAveragePooling2D(),
-            keras.layers.Dense(1),
-        ])
-        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
-    return model
-
-
-rng = np.random.default_rng(1)
-n, side = scenario["n"], scenario["side"]
-x = rng.normal(size=(n, side, side, 3)).astype("float32")
-y = rng.normal(size=(n, 1)).astype("float32")
-dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(scenario["batch"])
-
-model = multi_worker.prepare_multi_worker(make_model())
-guard = MemoryGuard(**scenario["guard"][task])
-record = Record()
-start = time.monotonic()
-result = {"task": task}
-try:
-    history = model.fit(dataset, epochs=1, verbose=0, callbacks=[guard, record])
-    result["loss"] = history.history["loss"]
-    result["weights"] = [w.tolist() for w in model.get_weights()]
-except Exception as error:
-    result["error"] = type(error).__name__
-    result["message"] = str(error)
-    result["worker"] = getattr(error, "worker", None)
-result.update(
-    k=record.k, times=record.times, micro_batches=guard.micro_batches,
-    oom_recoveries=guard.oom_recoveries, seconds=time.monotonic() - start)
-emit_result(result)
-"""
 
 
 def _free_ports(count):
@@ -184,7 +61,7 @@ def run_workers(scenario, caps_mib, timeout=WORKER_TIMEOUT):
             )
             processes.append(
                 subprocess.Popen(
-                    [sys.executable, "-c", textwrap.dedent(WORKER)],
+                    programs.command("multi_worker_worker"),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
