@@ -17,6 +17,10 @@ from keras import ops
 
 import keras_memguard
 
+# Whole models trained against plain Keras: tens of seconds; out of the
+# fast loop.
+pytestmark = pytest.mark.slow
+
 GUARD_LIMIT = 8 * 2**30
 LATENT = 2
 

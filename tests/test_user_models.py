@@ -23,6 +23,10 @@ import keras_memguard
 from helpers import SampleCount
 from keras_memguard.testing import run_with_memory_cap
 
+# Whole models trained against plain Keras: tens of seconds; out of the
+# fast loop.
+pytestmark = pytest.mark.slow
+
 GUARD_LIMIT = 8 * 2**30
 MIB = 2**20
 HERE = os.path.dirname(os.path.abspath(__file__))
