@@ -4,6 +4,7 @@ Run from the repository root (10 to 12 minutes on 2 shared CPU cores):
 
     python3 bench/bench_guard.py                  # all four parts
     python3 bench/bench_guard.py --parts 1 --rounds 11
+    python3 bench/bench_guard.py --parts 2 --peak-models unet
     python3 bench/bench_guard.py --json /tmp/bench_guard.json
 
 Every figure is measured on the real path a user gets: `MemoryGuard` in
@@ -23,13 +24,16 @@ replayed.
    samples per fit, and (except plain `B / k`) makes the same number of
    optimizer updates. Variants are interleaved, the order rotated each
    round, one warm-up fit each; medians and the median of per-round ratios.
-2. Per-step allocator peak (two child processes, 8 GiB cap, the variants
-   in forward then reversed order): the guard at `k` micro-batches of `B`
-   against plain training at `B / k` (and the guard at `k = 1` fed `B / k`),
-   for `k` in {1, 2, 4, 8}; `reset_memory_stats` at batch begin,
-   `get_memory_info("CPU:0")["peak"]` at batch end, after one warm-up fit.
-   Input batches are generated inside a `tf.data` pipeline (no prefetch), so
-   the allocator holds one input batch at a time and no dataset copy.
+2. Per-step allocator peak (two child processes, 8 GiB cap, one inter-op
+   thread, the variants in forward then reversed order): the guard at `k`
+   micro-batches of `B` against plain training at `B / k` (and the guard at
+   `k = 1` fed `B / k`), for two CNNs at `B = 256`, `k` in {1, 2, 4, 8}, and
+   a large-output model (a narrow U-Net with 64x64x8 per-pixel logits and
+   an accuracy metric) at `B = 64`, `k` in {1, 4}; `reset_memory_stats` at
+   batch begin, `get_memory_info("CPU:0")["peak"]` right after the train
+   function (where the guard reads it), after one warm-up fit. Input
+   batches are generated inside a `tf.data` pipeline (no prefetch), so the
+   allocator holds one input batch at a time and no dataset copy.
 3. One out-of-memory recovery (child processes under a real 600 MiB cap):
    a guarded epoch whose first batch runs out of memory at `k = 1` and is
    replayed at `k = 2`, against the same epoch started at `k = 2`. Both step
@@ -78,6 +82,10 @@ RESULT_MARKER = "KERAS_MEMGUARD_RESULT "
 DESIGN_CNN_SHAPE = (64, 64, 3)
 SMALL_CNN_SHAPE = (32, 32, 3)
 MLP_FEATURES = 512
+# A large-output model: a narrow U-Net whose per-pixel logits (64x64x8)
+# outweigh its activations.
+UNET_SHAPE = (64, 64, 3)
+UNET_CLASSES = 8
 
 
 # --------------------------------------------------------------------------
@@ -90,12 +98,36 @@ def _tf():
     return tf
 
 
+def build_unet():
+    """The narrow U-Net: 64x64x3 in, 64x64x8 per-pixel logits out."""
+    import keras
+
+    layers = keras.layers
+    inputs = keras.Input(UNET_SHAPE)
+    c1 = layers.Conv2D(4, 3, padding="same", activation="relu")(inputs)
+    p1 = layers.MaxPooling2D()(c1)
+    c2 = layers.Conv2D(8, 3, padding="same", activation="relu")(p1)
+    u1 = layers.Concatenate()([layers.UpSampling2D()(c2), c1])
+    c3 = layers.Conv2D(4, 3, padding="same", activation="relu")(u1)
+    outputs = layers.Conv2D(UNET_CLASSES, 1)(c3)  # per-pixel logits
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        optimizer=keras.optimizers.Adam(),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
 def build_model(kind, gradient_accumulation_steps=None):
     """Builds and compiles one of the benchmark models, seeded alike."""
     import keras
 
     keras.utils.set_random_seed(0)
     layers = keras.layers
+    if kind == "unet":
+        assert not gradient_accumulation_steps
+        return build_unet()
     if kind == "design_cnn":
         body = [
             keras.Input(DESIGN_CNN_SHAPE),
@@ -134,7 +166,15 @@ def input_shape(kind):
         "design_cnn": DESIGN_CNN_SHAPE,
         "small_cnn": SMALL_CNN_SHAPE,
         "mlp": (MLP_FEATURES,),
+        "unet": UNET_SHAPE,
     }[kind]
+
+
+def label_shape(kind):
+    """A sample's label shape and class count."""
+    if kind == "unet":
+        return UNET_SHAPE[:2], UNET_CLASSES
+    return (), CLASSES
 
 
 def generated_dataset(kind, batch, batches):
@@ -145,12 +185,14 @@ def generated_dataset(kind, batch, batches):
     """
     tf = _tf()
     shape = input_shape(kind)
+    y_shape, classes = label_shape(kind)
 
     def make(i):
         seed = tf.stack([tf.cast(i, tf.int32), 0])
         x = tf.random.stateless_uniform((batch,) + shape, seed=seed)
         y = tf.random.stateless_uniform(
-            (batch,), seed=seed + 1, minval=0, maxval=CLASSES, dtype=tf.int32
+            (batch,) + y_shape, seed=seed + 1, minval=0, maxval=classes,
+            dtype=tf.int32,
         )
         return x, y
 
@@ -172,10 +214,16 @@ def fixed_guard(k):
 def step_peak_callback(guard=None):
     """Records, per batch, the allocator peak and `current` at batch begin.
 
-    Put it before the guard in the callback list: it reads the peak before
-    the guard's reader resets it. `ks` is the `k` the batch completed at.
+    Put it before the guard in the callback list. The guard reads (and
+    resets) the allocator peak inside the train function, through the
+    model's logs carrier, before any `on_train_batch_end`; so this callback
+    reads the peak there too, as the carrier's first contributor, right
+    after the train function: the same point for guarded and plain
+    training. `ks` is the `k` the batch completed at.
     """
     import keras
+
+    from keras_memguard.callbacks import logs_carrier
 
     tf = _tf()
 
@@ -183,14 +231,25 @@ def step_peak_callback(guard=None):
         def __init__(self):
             super().__init__()
             self.peaks, self.currents, self.ks = [], [], []
+            self._read = False
+
+        def on_train_begin(self, logs=None):
+            logs_carrier.attach(self.model, self, self._contribute, self.params)
+
+        def on_train_end(self, logs=None):
+            logs_carrier.detach(self.model, self)
+
+        def _contribute(self, logs):
+            self.peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+            self._read = True
 
         def on_train_batch_begin(self, batch, logs=None):
             self._current = tf.config.experimental.get_memory_info("CPU:0")["current"]
             tf.config.experimental.reset_memory_stats("CPU:0")
+            self._read = False
 
         def on_train_batch_end(self, batch, logs=None):
-            info = tf.config.experimental.get_memory_info("CPU:0")
-            self.peaks.append(info["peak"])
+            assert self._read, "the peak was not read after the train function"
             self.currents.append(self._current)
             if guard is not None and guard._function is not None:
                 self.ks.append(guard._function.micro_batches)
@@ -268,11 +327,15 @@ def child_peaks(task, tf):
     """Part 2: per-step peaks of guard at k (batch B) and plain at B / k."""
     import keras
 
-    batch = task["batch"]
+    if task.get("inter_op_threads"):
+        # One inter-op thread: the same op schedule, so the same peak, in
+        # every step and process (with more, independent ops overlap in
+        # varying order and a step's peak moves by whole tensors).
+        tf.config.threading.set_inter_op_parallelism_threads(task["inter_op_threads"])
     plan = [
-        (kind, k, variant)
-        for kind in task["kinds"]
-        for k in task["ks"]
+        (kind, batch, k, variant)
+        for kind, batch, ks in task["models"]
+        for k in ks
         # "guard1": the guard at k = 1 fed B / k, the same input as plain:
         # what the guard's path costs apart from micro-batching.
         for variant in (("guard", "plain") if k == 1 else ("guard", "guard1", "plain"))
@@ -280,7 +343,7 @@ def child_peaks(task, tf):
     if task["reverse"]:
         plan.reverse()
     rows = []
-    for kind, k, variant in plan:
+    for kind, batch, k, variant in plan:
         fed = batch if variant == "guard" else batch // k
         model = build_model(kind)
         callbacks = []
@@ -304,6 +367,7 @@ def child_peaks(task, tf):
         rows.append(
             {
                 "kind": kind,
+                "batch": batch,
                 "k": k,
                 "variant": variant,
                 "batch_fed": fed,
@@ -322,7 +386,7 @@ def child_peaks(task, tf):
 def child_recovery(task, tf):
     """Part 3: one guarded epoch under the cap, starting at `start_k`."""
     from keras_memguard import MemoryGuard, policy
-    from keras_memguard.training.replay import step_function
+    from keras_memguard.training.step import step_function
 
     kind, batch = "design_cnn", task["batch"]
     model = build_model(kind)
@@ -331,7 +395,8 @@ def child_recovery(task, tf):
     trace_s = {}
     functions = {}
     for k in task["trace_ks"]:
-        # `make_step_function` wraps the tf.function with functools.wraps.
+        # `make_step_function` wraps the tf.function with functools.wraps
+        # (Keras' `_autoconvert_optionals`).
         function = step_function(model, k, "accumulate").__wrapped__
         start = time.perf_counter()
         function.get_concrete_function(spec)
@@ -468,12 +533,13 @@ def part_throughput(kind, batch, ks, samples, rounds, report):
             cpus[name].append(cpu)
 
     # The guard's compiled steps: one per k, none other.
-    from keras_memguard.training.replay import _STEP_CACHE_ATTR
+    from keras_memguard.training.step import _CACHE_ATTR
 
     for name, (model, _, guard, k) in variants.items():
         if guard is not None:
-            steps = model.__dict__[_STEP_CACHE_ATTR][1]
-            assert set(steps) == {(k, "accumulate")}, name
+            functions = model.__dict__[_CACHE_ATTR][1]
+            steps = {key for key in functions if key[0] == "train"}
+            assert steps == {("train", k, "accumulate")}, (name, sorted(functions))
 
     med = {n: statistics.median(v) for n, v in walls.items()}
     cpu_med = {n: statistics.median(v) for n, v in cpus.items()}
@@ -567,44 +633,49 @@ def print_throughput(result):
 # Part 2: peaks.
 
 
-def part_peaks(kinds, batch, ks, steps, report):
+def part_peaks(models, steps, inter_op_threads, report):
+    """`models`: `(kind, B, ks)` triples, all measured in each child."""
     runs = [
         run_child(
-            {"part": "peaks", "kinds": kinds, "batch": batch, "ks": ks,
-             "steps": steps, "reverse": reverse},
+            {"part": "peaks", "models": models, "steps": steps,
+             "inter_op_threads": inter_op_threads, "reverse": reverse},
             cap_mib=8192,
             timeout=500,
         )
         for reverse in (False, True)
     ]
-    report.append({"part": "peaks", "runs": runs})
+    report.append({"part": "peaks", "inter_op_threads": inter_op_threads,
+                   "runs": runs})
 
-    def peak(kind, k, variant):
+    def peak(kind, batch, k, variant):
         # Per child: the median over its measured steps; then over children.
         values = [
             statistics.median(r["peaks"]) / MIB
             for run in runs
             for r in run["rows"]
-            if (r["kind"], r["k"], r["variant"]) == (kind, k, variant)
+            if (r["kind"], r["batch"], r["k"], r["variant"])
+            == (kind, batch, k, variant)
         ]
         return statistics.median(values), min(values), max(values)
 
-    print(f"\n#### Per-step allocator peak, B={batch}: {len(runs)} child "
-          f"processes (variant order forward, then reversed), each the median "
-          f"of {steps} steps after a warm-up fit\n")
-    print("| model | k | guard: k micro-batches of B (MiB) | plain at B/k (MiB) "
-          "| guard / plain | guard at k=1 fed B/k (MiB) | input batch B - B/k "
-          "(MiB) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for kind in kinds:
-        sample_mib = 4 * math.prod(input_shape(kind)) / MIB
+    threads = inter_op_threads or "TensorFlow's default"
+    print(f"\n#### Per-step allocator peak: {len(runs)} child processes (variant "
+          f"order forward, then reversed), each the median of {steps} steps "
+          f"after a warm-up fit; inter-op threads: {threads}\n")
+    print("| model | B | k | guard: k micro-batches of B (MiB) | plain at B/k (MiB) "
+          "| guard / plain | guard at k=1 fed B/k (MiB) | input batch B - B/k, "
+          "x and y (MiB) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for kind, batch, ks in models:
+        y_shape, _ = label_shape(kind)
+        sample_mib = 4 * (math.prod(input_shape(kind)) + math.prod(y_shape)) / MIB
         for k in ks:
-            g, g_lo, g_hi = peak(kind, k, "guard")
-            p, p_lo, p_hi = peak(kind, k, "plain")
+            g, g_lo, g_hi = peak(kind, batch, k, "guard")
+            p, p_lo, p_hi = peak(kind, batch, k, "plain")
             g1 = "-"
             if k > 1:
-                g1 = "{:.1f} ({:.1f}..{:.1f})".format(*peak(kind, k, "guard1"))
-            print(f"| {kind} | {k} | {g:.1f} ({g_lo:.1f}..{g_hi:.1f}) "
+                g1 = "{:.1f} ({:.1f}..{:.1f})".format(*peak(kind, batch, k, "guard1"))
+            print(f"| {kind} | {batch} | {k} | {g:.1f} ({g_lo:.1f}..{g_hi:.1f}) "
                   f"| {p:.1f} ({p_lo:.1f}..{p_hi:.1f}) at {batch // k} "
                   f"| {g / p:.3f}x | {g1} "
                   f"| {(batch - batch // k) * sample_mib:.1f} |")
@@ -815,6 +886,13 @@ def main():
     parser.add_argument("--parts", default="1,2,3,4")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--ks", default="2,4,8", help="k values of part 1")
+    parser.add_argument("--peak-steps", type=int, default=3,
+                        help="measured steps per variant in part 2")
+    parser.add_argument("--peak-threads", type=int, default=1,
+                        help="inter-op threads of part 2's children "
+                        "(0: TensorFlow's default)")
+    parser.add_argument("--peak-models", default="design_cnn,small_cnn,unet",
+                        help="models of part 2")
     parser.add_argument("--json", default=None, help="write raw results here")
     args = parser.parse_args()
     parts = {int(p) for p in args.parts.split(",")}
@@ -836,7 +914,14 @@ def main():
             print_throughput(part_throughput(kind, 256, ks, samples, args.rounds, report))
             sys.stdout.flush()
     if 2 in parts:
-        part_peaks(["design_cnn", "small_cnn"], 256, [1, 2, 4, 8], 2, report)
+        configs = {
+            "design_cnn": ("design_cnn", 256, [1, 2, 4, 8]),
+            "small_cnn": ("small_cnn", 256, [1, 2, 4, 8]),
+            # The large-output model: k=4 of batch 64 against plain at 16.
+            "unet": ("unet", 64, [1, 4]),
+        }
+        models = [configs[m] for m in args.peak_models.split(",")]
+        part_peaks(models, args.peak_steps, args.peak_threads, report)
         sys.stdout.flush()
     if 3 in parts:
         part_recovery(256, 3, 3, report)
