@@ -257,8 +257,9 @@ def override_build_and_make_function(model, to_build_batch, wrap_step):
 
     def maybe_symbolic_build(self, iterator=None, data_batch=None):
         if iterator is not None:
-            for _, _, batches in iterator:
-                data_batch = to_build_batch(next(batches))
+            # Keras 3.8 yields `(step, batches)`, 3.9+ `(begin, end, batches)`.
+            for item in iterator:
+                data_batch = to_build_batch(next(item[-1]))
                 break
         with self.distribute_strategy.scope():
             symbolic_build(self, data_batch)

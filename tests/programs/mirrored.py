@@ -36,8 +36,11 @@ def run_uncapped(strategy, log_dir):
     x, y = make_data(160, 32)  # batches of 64, 64, 32: 32, 32, 16 per replica
 
     reference = make_model(strategy, 32, 32)
-    reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    reference_history = reference.fit(
+        x, y, batch_size=64, epochs=2, shuffle=False, verbose=0
+    )
     out["reference"] = weights(reference)
+    out["reference_samples"] = reference_history.history.get("samples")
 
     for k in (1, 2):
         model = make_model(strategy, 32, 32)
