@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 
 import keras_memguard
+import programs
 from helpers import SampleCount
 from keras_memguard.testing import run_with_memory_cap
 
@@ -393,12 +394,7 @@ def test_mean_reduced_add_loss_and_kernel_regularizer_are_exact_without_warning(
 
 def run_program(mode, memory_limit_mib, timeout=500):
     """Runs `tests/programs/user_models_oom.py MODE` in its own capped process."""
-    path = os.path.join(HERE, "programs", "user_models_oom.py")
-    code = (
-        "import runpy, sys\n"
-        f"sys.argv = [{path!r}, {mode!r}]\n"
-        f"runpy.run_path({path!r}, run_name='__main__')\n"
-    )
+    code = programs.source("user_models_oom", mode)
     return run_with_memory_cap(code, memory_limit_mib=memory_limit_mib, timeout=timeout).result
 
 

@@ -22,20 +22,10 @@ import numpy as np
 import keras
 import tensorflow as tf
 
+from programs.common import SampleCount  # noqa: E402
+
 CAP_MIB = 600
 FIT_KWARGS = dict(batch_size=256, epochs=1, shuffle=False, verbose=0)
-
-
-class SampleCount(keras.metrics.Metric):
-    def __init__(self, name="samples", **kwargs):
-        super().__init__(name=name, **kwargs)
-        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
-
-    def update_state(self, y_true, y_pred, sample_weight=None):
-        self.count.assign_add(tf.cast(tf.shape(y_true)[0], "float32"))
-
-    def result(self):
-        return self.count * 1.0
 
 
 def make_model():
