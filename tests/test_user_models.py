@@ -30,7 +30,6 @@ pytestmark = pytest.mark.slow
 
 GUARD_LIMIT = 8 * 2**30
 MIB = 2**20
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def guard(k):
