@@ -333,20 +333,16 @@ class MemoryGuard(keras.callbacks.Callback):
             replica_batch_size or None,
         )
         if decision.cannot_split:
-            samples = self._reader.read(self, None)
-            peak = max((s.peak_bytes or 0 for s in samples), default=0) or None
-            limit = max((l or 0 for l in self._limits), default=0) or None
-            if decision.cannot_split == policy.CANNOT_SPLIT_BATCH_SIZE:
-                message = _too_large_message(batch_size, micro_batches, peak, limit)
-            else:
-                message = (
+            raise self._cannot_split_error(
+                decision,
+                batch_size,
+                micro_batches,
+                cap_text=(
                     f"Out of memory at {micro_batches} micro-batches, the cap set "
                     f"by `max_micro_batches`; the batch of {batch_size} samples "
                     "cannot be split further. HINT: raise `max_micro_batches` or "
                     "lower the batch size."
-                )
-            raise MicroBatchTooLargeError(
-                message, peak_bytes=peak, limit_bytes=limit
+                ),
             ) from error
         self.state = state
         new_k = decision.micro_batches
@@ -375,20 +371,17 @@ class MemoryGuard(keras.callbacks.Callback):
             batch_size or None,
         )
         if decision.cannot_split:
-            samples = self._reader.read(self, None)
-            peak = max((s.peak_bytes or 0 for s in samples), default=0) or None
-            limit = max((l or 0 for l in self._limits), default=0) or None
-            if decision.cannot_split == policy.CANNOT_SPLIT_BATCH_SIZE:
-                message = _too_large_message(batch_size, micro_batches, peak, limit)
-            else:
-                message = (
+            raise self._cannot_split_error(
+                decision,
+                batch_size,
+                micro_batches,
+                cap_text=(
                     f"Out of memory evaluating at {micro_batches} micro-batches, "
                     "the cap set by `max_micro_batches`; the validation batch of "
                     f"{batch_size} samples cannot be split further. HINT: raise "
                     "`max_micro_batches` or lower `validation_batch_size`."
-                )
-            raise MicroBatchTooLargeError(
-                "Validation: " + message, peak_bytes=peak, limit_bytes=limit
+                ),
+                prefix="Validation: ",
             ) from error
         self.eval_state = eval_state
         new_k = eval_state.micro_batches
@@ -410,6 +403,19 @@ class MemoryGuard(keras.callbacks.Callback):
         return new_k
 
     # Helpers.
+
+    def _cannot_split_error(self, decision, batch_size, micro_batches, cap_text, prefix=""):
+        """The `MicroBatchTooLargeError` for a batch the policy cannot split."""
+        samples = self._reader.read(self, None)
+        peak = max((s.peak_bytes or 0 for s in samples), default=0) or None
+        limit = max((l or 0 for l in self._limits), default=0) or None
+        if decision.cannot_split == policy.CANNOT_SPLIT_BATCH_SIZE:
+            message = _too_large_message(batch_size, micro_batches, peak, limit)
+        else:
+            message = cap_text
+        return MicroBatchTooLargeError(
+            prefix + message, peak_bytes=peak, limit_bytes=limit
+        )
 
     def _restore_test_function(self):
         if self._eval_function is not None:

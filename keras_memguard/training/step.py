@@ -182,7 +182,6 @@ def _shrink_step(model, data, micro_batches):
     object.__setattr__(model, ACCUMULATED_ATTR, True)
     variables = model.trainable_weights
     compute = compiled_loss_compute(model, micro_batches)
-    sizes = []
 
     def update(micro_batch):
         part = _micro_batch(model, micro_batch, variables, compute, weighted=False)
@@ -196,7 +195,6 @@ def _shrink_step(model, data, micro_batches):
 
     def first(micro_batch):
         carry, y_pred = update(micro_batch)
-        sizes.append(len(carry))
         return carry, y_pred, [False] * len(carry)
 
     def rest(micro_batch, carry):
