@@ -88,3 +88,24 @@ def test_no_other_module_names_a_private_keras_or_tensorflow_name():
             if private.search(line):
                 offenders.append(f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_cluster_value_is_none_outside_a_cluster():
+    # No coordination service in a single process: nothing stored, no hang.
+    assert compat.cluster_value("keras_memguard/out_of_memory_worker", 50) is None
+
+
+def test_a_peer_abort_is_told_by_error_type_and_the_stored_worker_not_text():
+    from keras_memguard.training import multi_worker
+
+    # The text a worker reports, but no worker index stored in the cluster:
+    # not taken for a peer's out-of-memory abort.
+    lookalike = tf.errors.AbortedError(
+        None, None, "keras_memguard: worker 1 ran out of memory: OOM"
+    )
+    assert multi_worker._raise_if_peer_aborted(lookalike) is None
+    # Another error type is never a peer's abort, whatever it says.
+    other = tf.errors.ResourceExhaustedError(
+        None, None, "Collective ops is aborted by: keras_memguard"
+    )
+    assert multi_worker._raise_if_peer_aborted(other) is None

@@ -199,6 +199,25 @@ def report_error_to_cluster(code, message):
     context().report_error_to_cluster(code, message)
 
 
+def set_cluster_value(key, value):
+    """Stores `value` under `key` in the cluster's coordination service."""
+    context = _import_attribute("tensorflow.python.eager.context", "context")
+    context().set_config_key_value(key, value)
+
+
+def cluster_value(key, timeout_ms):
+    """The value under `key` in the coordination service, or `None`.
+
+    `None` when nothing is stored there within `timeout_ms`, or when the
+    service cannot be reached.
+    """
+    context = _import_attribute("tensorflow.python.eager.context", "context")
+    try:
+        return context().get_config_key_value(key, max(1, int(timeout_ms)))
+    except (tf.errors.OpError, RuntimeError):
+        return None
+
+
 def per_output_loss_metrics(model):
     """The `<output>_loss` Mean metrics of a multi-output compiled loss.
 

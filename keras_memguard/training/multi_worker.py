@@ -81,9 +81,13 @@ from keras_memguard.training.step import trains_with_own_step
 from keras_memguard.training.step import warn_batch_statistics_once
 
 
-# Put in the message reported to the cluster, so that the peers whose
-# collectives it aborts can tell it from any other failure.
-_ABORT_MARKER = "keras_memguard: out of memory on worker"
+# The coordination-service key under which a worker that runs out of memory
+# stores its index before aborting the cluster's collectives: the peers see
+# an `AbortedError` and read the key to tell it from any other abort.
+_OOM_WORKER_KEY = "keras_memguard/out_of_memory_worker"
+# How long a peer waits for that key after an abort (it is stored before
+# the abort is reported, so it is normally there at once).
+_OOM_WORKER_WAIT_MS = 2000
 _PREPARED_ATTR = "_memguard_multi_worker_prepared"
 
 
@@ -310,15 +314,15 @@ def agree_on_usage(strategy, usage, largest_batch_size=None):
 
 
 def _raise_if_peer_aborted(error):
-    message = str(error)
-    if _ABORT_MARKER in message:
-        worker = None
-        tail = message.split(_ABORT_MARKER, 1)[1].split()
-        if tail and tail[0].rstrip(":").isdigit():
-            worker = int(tail[0].rstrip(":"))
-        raise DistributedOutOfMemoryError(
-            _abort_message(worker, local=False), worker=worker
-        ) from error
+    """Raises the package error when `error` is another worker's abort."""
+    if not isinstance(error, tf.errors.AbortedError):
+        return
+    worker = compat.cluster_value(_OOM_WORKER_KEY, _OOM_WORKER_WAIT_MS)
+    if worker is None or not worker.isdigit():
+        return
+    raise DistributedOutOfMemoryError(
+        _abort_message(int(worker), local=False), worker=int(worker)
+    ) from error
 
 
 def _abort_message(worker, local):
@@ -340,18 +344,17 @@ def _report_and_raise(strategy, error):
     """Aborts every worker's collectives, then raises the package error."""
     worker = worker_index(strategy)
     try:
+        compat.set_cluster_value(_OOM_WORKER_KEY, str(worker))
         compat.report_error_to_cluster(
-            tf.errors.ABORTED, f"{_ABORT_MARKER} {worker}: {error.message}"
+            tf.errors.ABORTED,
+            f"keras_memguard: worker {worker} ran out of memory: "
+            f"{error.message}",
         )
     except Exception:  # noqa: BLE001 - the peers still fail when we exit.
         pass
     raise DistributedOutOfMemoryError(
         _abort_message(worker, local=True), worker=worker
     ) from error
-
-
-def _is_collective_abort(error):
-    return "Collective ops is aborted" in str(error)
 
 
 def _on_replica_device(gradient):
@@ -483,9 +486,7 @@ class MultiWorkerTrainFunction:
             return self._apply()(data, result)
         except tf.errors.OpError as error:
             _raise_if_peer_aborted(error)
-            if isinstance(error, tf.errors.ResourceExhaustedError) and not (
-                _is_collective_abort(error)
-            ):
+            if isinstance(error, tf.errors.ResourceExhaustedError):
                 _report_and_raise(self.strategy, error)
             raise
 
@@ -499,9 +500,7 @@ class MultiWorkerTrainFunction:
             return self._whole_step(self.micro_batches)(data)
         except tf.errors.OpError as error:
             _raise_if_peer_aborted(error)
-            if isinstance(error, tf.errors.ResourceExhaustedError) and not (
-                _is_collective_abort(error)
-            ):
+            if isinstance(error, tf.errors.ResourceExhaustedError):
                 _report_and_raise(self.strategy, error)
             raise
 
