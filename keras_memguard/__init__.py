@@ -14,6 +14,7 @@ __version__ = "0.1.0.dev0"
 _EXPORTS = {
     "AllocatorProbe": "keras_memguard.probes.tf_allocator",
     "AllocatorSample": "keras_memguard.probes.base",
+    "DevicesAlreadyInitializedError": "keras_memguard.errors",
     "DistributedOutOfMemoryError": "keras_memguard.errors",
     "MemGuardError": "keras_memguard.errors",
     "MemGuardMixin": "keras_memguard.training.mixin",
@@ -24,6 +25,8 @@ _EXPORTS = {
     "NvmlProbe": "keras_memguard.probes.nvml",
     "NvmlSample": "keras_memguard.probes.base",
     "UnsupportedTrainingSetupError": "keras_memguard.errors",
+    "configure_devices": "keras_memguard.devices",
+    "configured_memory_limits": "keras_memguard.devices",
     "prepare_multi_worker": "keras_memguard.training.multi_worker",
 }
 

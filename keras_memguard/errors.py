@@ -56,3 +56,13 @@ class DistributedOutOfMemoryError(MemGuardError):
     def __init__(self, message, worker=None):
         super().__init__(message)
         self.worker = worker
+
+
+class DevicesAlreadyInitializedError(MemGuardError, RuntimeError):
+    """TensorFlow initialized its devices before `configure_devices` ran.
+
+    Memory growth, logical device memory limits and the GPU allocator can
+    only be chosen before TensorFlow initializes its devices, which the
+    first op, tensor, model or dataset does. Also a `RuntimeError`, the type
+    TensorFlow itself raises for this.
+    """

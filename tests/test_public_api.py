@@ -14,6 +14,7 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 PUBLIC_API = [
     "AllocatorProbe",
     "AllocatorSample",
+    "DevicesAlreadyInitializedError",
     "DistributedOutOfMemoryError",
     "MemGuardError",
     "MemGuardMixin",
@@ -24,6 +25,8 @@ PUBLIC_API = [
     "NvmlProbe",
     "NvmlSample",
     "UnsupportedTrainingSetupError",
+    "configure_devices",
+    "configured_memory_limits",
     "prepare_multi_worker",
 ]
 
