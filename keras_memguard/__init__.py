@@ -22,6 +22,7 @@ _EXPORTS = {
     "MemoryLimitUnknownError": "keras_memguard.errors",
     "MemoryMonitor": "keras_memguard.callbacks.monitor",
     "MicroBatchTooLargeError": "keras_memguard.errors",
+    "MissingExtraError": "keras_memguard.errors",
     "NvmlProbe": "keras_memguard.probes.nvml",
     "NvmlSample": "keras_memguard.probes.base",
     "UnsupportedTrainingSetupError": "keras_memguard.errors",

@@ -66,3 +66,19 @@ class DevicesAlreadyInitializedError(MemGuardError, RuntimeError):
     first op, tensor, model or dataset does. Also a `RuntimeError`, the type
     TensorFlow itself raises for this.
     """
+
+
+class MissingExtraError(MemGuardError, ImportError):
+    """An optional dependency of the package is not installed.
+
+    Also an `ImportError`. The message names the command that installs it.
+
+    Args:
+        message: The explanation shown to the user.
+        extra: The name of the package extra that installs the dependency,
+            such as `"report"`.
+    """
+
+    def __init__(self, message, extra=None):
+        super().__init__(message)
+        self.extra = extra

@@ -22,6 +22,7 @@ PUBLIC_API = [
     "MemoryLimitUnknownError",
     "MemoryMonitor",
     "MicroBatchTooLargeError",
+    "MissingExtraError",
     "NvmlProbe",
     "NvmlSample",
     "UnsupportedTrainingSetupError",
