@@ -19,3 +19,13 @@ os.environ.update(
         "KERAS_BACKEND": "tensorflow",
     }
 )
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _plan_cache_per_test(tmp_path, monkeypatch):
+    """Each test gets its own `$KERAS_HOME`: no plan is shared by two tests
+    (their models are often alike), none lands in the user's home."""
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras_home"))

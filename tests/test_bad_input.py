@@ -146,7 +146,7 @@ def test_steps_per_execution_three_with_a_batch_count_not_divisible_by_three():
     record = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: ends.append(batch)
     )
-    guard = keras_memguard.MemoryGuard(memory_limit=limit, cooldown=1000)
+    guard = keras_memguard.MemoryGuard(memory_limit=limit, cooldown=1000, plan=False)
     history = model.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0,
                         validation_data=(val_x, val_y), callbacks=[guard, record])
     expected = plain.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0,
@@ -175,7 +175,7 @@ def test_jit_compiled_model_trains_and_evaluates_like_plain_xla_training():
     model = make_model(jit_compile=True)
     assert model.jit_compile is True
     plain = make_model(jit_compile=True)
-    guard = keras_memguard.MemoryGuard(memory_limit=limit, cooldown=1000)
+    guard = keras_memguard.MemoryGuard(memory_limit=limit, cooldown=1000, plan=False)
     history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
                         validation_data=(val_x, val_y), callbacks=[guard])
     expected = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
@@ -280,7 +280,7 @@ def test_dataset_of_unknown_length_trains_every_sample_once_per_epoch(source):
     assert dataset().cardinality() == tf.data.UNKNOWN_CARDINALITY
     limit = forcing_limit(make_model(), x, y, batch_size=20)
     model = make_model()
-    guard = keras_memguard.MemoryGuard(memory_limit=limit, cooldown=1000)
+    guard = keras_memguard.MemoryGuard(memory_limit=limit, cooldown=1000, plan=False)
     history = model.fit(dataset(), epochs=2, verbose=0, callbacks=[guard],
                         validation_data=dataset())
     assert guard.micro_batches >= 2
@@ -307,7 +307,7 @@ def test_batches_of_one_sample_are_never_split_however_high_the_usage(caplog):
     plain = make_model()
     # Every batch reads far above the threshold at this limit.
     with pytest.warns(UserWarning, match="under 1 MiB"):
-        guard = keras_memguard.MemoryGuard(memory_limit=1024, cooldown=1)
+        guard = keras_memguard.MemoryGuard(memory_limit=1024, cooldown=1, plan=False)
     seen = []
     record = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: seen.append(logs.get("micro_batches"))

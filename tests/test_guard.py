@@ -129,7 +129,7 @@ def test_guard_doubles_micro_batches_when_the_peak_reaches_the_threshold(caplog,
     peak = first_batch_peak(model, x, y, batch_size=50)
     # A limit that puts the measured k=1 peak at ~95%, far above 2x headroom.
     guard = keras_memguard.MemoryGuard(
-        threshold=0.9, memory_limit=int(peak / 0.95), log_dir=str(tmp_path)
+        threshold=0.9, memory_limit=int(peak / 0.95), log_dir=str(tmp_path), plan=False
     )
     seen = []
     record = keras.callbacks.LambdaCallback(
@@ -166,7 +166,9 @@ def test_guard_keeps_one_micro_batch_when_memory_is_plentiful():
 def test_guard_can_start_split():
     x, y = make_data()
     model = make_mlp()
-    guard = keras_memguard.MemoryGuard(micro_batches=4, memory_limit=1 << 40, cooldown=1000)
+    guard = keras_memguard.MemoryGuard(
+        micro_batches=4, memory_limit=1 << 40, cooldown=1000, plan=False
+    )
     seen = []
     record = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: seen.append(logs["micro_batches"])
@@ -181,7 +183,7 @@ def test_state_persists_across_fits_and_train_function_is_restored():
     x, y = make_data()
     model = make_mlp()
     peak = first_batch_peak(model, x, y, batch_size=50)
-    guard = keras_memguard.MemoryGuard(memory_limit=int(peak / 0.95), cooldown=1000)
+    guard = keras_memguard.MemoryGuard(memory_limit=int(peak / 0.95), cooldown=1000, plan=False)
     model.fit(x, y, batch_size=50, epochs=1, verbose=0, callbacks=[guard])
     k = guard.micro_batches
     assert k >= 2
@@ -239,7 +241,7 @@ def test_save_and_load_after_guarded_training_give_the_original_class(tmp_path):
     x, y = make_data()
     model = make_mlp()
     peak = first_batch_peak(model, x, y, batch_size=50)
-    guard = keras_memguard.MemoryGuard(memory_limit=int(peak / 0.95))
+    guard = keras_memguard.MemoryGuard(memory_limit=int(peak / 0.95), plan=False)
     model.fit(x, y, batch_size=50, epochs=1, verbose=0, callbacks=[guard])
     path = str(tmp_path / "model.keras")
     model.save(path)
@@ -260,7 +262,7 @@ def test_backup_and_restore_resumes_micro_batches_and_counters(tmp_path):
             if epoch == 0:
                 raise KeyboardInterrupt
 
-    guard = keras_memguard.MemoryGuard(memory_limit=int(peak / 0.95), cooldown=1000, backup_dir=backup)
+    guard = keras_memguard.MemoryGuard(memory_limit=int(peak / 0.95), cooldown=1000, backup_dir=backup, plan=False)
     with pytest.raises(KeyboardInterrupt):
         model.fit(x, y, batch_size=50, epochs=3, verbose=0,
                   callbacks=[keras.callbacks.BackupAndRestore(backup), guard, Interrupt()])
@@ -268,7 +270,7 @@ def test_backup_and_restore_resumes_micro_batches_and_counters(tmp_path):
     assert k >= 2
     assert os.path.exists(os.path.join(backup, "memguard_state.json"))
 
-    resumed = keras_memguard.MemoryGuard(memory_limit=int(peak / 0.95), cooldown=1000, backup_dir=backup)
+    resumed = keras_memguard.MemoryGuard(memory_limit=int(peak / 0.95), cooldown=1000, backup_dir=backup, plan=False)
     seen = []
     record = keras.callbacks.LambdaCallback(
         on_train_batch_begin=lambda batch, logs: seen.append(resumed.micro_batches)
@@ -297,7 +299,7 @@ def test_mixin_model_follows_the_guard():
     x, y = make_data()
     model(x[:1])
     peak = first_batch_peak(model, x, y, batch_size=50)
-    guard = keras_memguard.MemoryGuard(memory_limit=int(peak / 0.95), cooldown=1000)
+    guard = keras_memguard.MemoryGuard(memory_limit=int(peak / 0.95), cooldown=1000, plan=False)
     history = model.fit(x, y, batch_size=50, epochs=1, verbose=0, callbacks=[guard])
     assert model.micro_batches == guard.micro_batches >= 2
     assert history.history["samples"] == [200.0]
@@ -311,7 +313,7 @@ def test_shrink_mode_scales_a_float_learning_rate_and_restores_it():
     peak = first_batch_peak(model, x, y, batch_size=50)
     rates = []
     guard = keras_memguard.MemoryGuard(
-        memory_limit=int(peak / 0.95), mode="shrink", scale_learning_rate=True, cooldown=1000
+        memory_limit=int(peak / 0.95), mode="shrink", scale_learning_rate=True, cooldown=1000, plan=False
     )
     record = keras.callbacks.LambdaCallback(
         on_train_batch_begin=lambda batch, logs: rates.append(

@@ -207,7 +207,7 @@ def test_vae_with_micro_batches_attribute_matches_keras_io(keras_io_run, k):
 def test_vae_under_memory_guard_matches_keras_io(keras_io_run):
     x, initial = keras_io_run[:2]
     model = make_vae(GuardedVAE, initial=initial)
-    guard = keras_memguard.MemoryGuard(micro_batches=4, memory_limit=GUARD_LIMIT)
+    guard = keras_memguard.MemoryGuard(micro_batches=4, memory_limit=GUARD_LIMIT, plan=False)
     history = model.fit(x, epochs=2, batch_size=64, shuffle=False, verbose=0,
                         callbacks=[guard])
     assert model.micro_batches == guard.micro_batches == 4
@@ -217,7 +217,7 @@ def test_vae_under_memory_guard_matches_keras_io(keras_io_run):
 def test_vae_with_random_noise_trains_under_memory_guard():
     x = images()
     model = make_vae(GuardedVAE, fixed_noise=False)
-    guard = keras_memguard.MemoryGuard(micro_batches=4, memory_limit=GUARD_LIMIT)
+    guard = keras_memguard.MemoryGuard(micro_batches=4, memory_limit=GUARD_LIMIT, plan=False)
     history = model.fit(x, epochs=2, batch_size=64, verbose=0, callbacks=[guard])
     assert np.all(np.isfinite(history.history["total_loss"]))
     assert int(model.optimizer.iterations) == 6  # one update per batch
@@ -326,7 +326,7 @@ def test_own_gradient_tape_step_is_refused_with_micro_batches_above_one():
 
 def test_own_gradient_tape_step_is_refused_by_a_guard_starting_split():
     model = make_own_step()
-    guard = keras_memguard.MemoryGuard(micro_batches=2, memory_limit=GUARD_LIMIT)
+    guard = keras_memguard.MemoryGuard(micro_batches=2, memory_limit=GUARD_LIMIT, plan=False)
     with pytest.raises(keras_memguard.UnsupportedTrainingSetupError, match="accumulate_gradients"):
         model.fit(*xy(), batch_size=32, verbose=0, callbacks=[guard])
 

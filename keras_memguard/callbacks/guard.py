@@ -6,6 +6,8 @@ import os
 
 import keras
 
+from keras_memguard import plan_cache
+from keras_memguard import planner
 from keras_memguard import policy
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks.sampling import resolve_limits
@@ -20,6 +22,7 @@ from keras_memguard.training import multi_worker
 from keras_memguard.training.eval_replay import ReplayTestFunction
 from keras_memguard.training.mixin import MemGuardMixin
 from keras_memguard.training.replay import ReplayTrainFunction
+from keras_memguard.training.setup import describe_setup
 from keras_memguard.training.splitting import validate_micro_batches
 
 logger = logging.getLogger("keras_memguard")
@@ -33,10 +36,22 @@ _MIB = 1024 * 1024
 class MemoryGuard(keras.callbacks.Callback):
     """Splits batches into micro-batches before device memory runs out.
 
-    After every training batch the guard reads the batch's allocator peak
-    (the highest memory in use during the batch) as a fraction of the device
-    memory limit. At or above `threshold` it doubles the number of
-    micro-batches `k` before the next batch; once the usage predicted at
+    The guard pulls each training batch before it runs and plans it: from
+    the peaks measured so far (the highest memory in use during each batch,
+    against the device memory limit) it predicts the batch's peak at each
+    micro-batch count `k`, taking the batch's size and shapes into account
+    (a sequence twice as long counts twice), and runs it at the smallest `k`
+    predicted to stay under `threshold` (any count, not only powers of two).
+    The first batch of a set-up it has never seen runs at 8 micro-batches
+    (or `micro_batches`, when given); the plan grows from the measurements.
+    What it learned is kept in a small JSON file under
+    `$KERAS_HOME/memguard/` (`~/.keras/memguard/` by default), so the next
+    `fit` of the same set-up starts at the right `k` (`plan_cache=False`
+    turns that off). See `keras_memguard.planner` for the memory model.
+
+    With `plan=False`, or under `MultiWorkerMirroredStrategy` (where the
+    workers must agree), the guard reacts instead: at or above `threshold`
+    it doubles `k` before the next batch; once the usage predicted at
     `k / 2` has stayed below `release` for `cooldown` batches, it halves `k`
     again. The input pipeline, the number of steps and the progress bar stay
     as they are: each batch is split inside the train step.
@@ -59,10 +74,12 @@ class MemoryGuard(keras.callbacks.Callback):
 
     Writes, per batch, the TensorBoard scalars `memguard/micro_batches`,
     `memguard/micro_batch_size` and `memguard/oom_recoveries` to the run
-    `<log_dir>/memguard`, adds `micro_batches` (the count for the next
-    batch) to the batch and epoch `logs` the train function returns, so every
-    callback sees it whatever its place in the `callbacks` list, and logs one
-    INFO line through the `keras_memguard` logger per change.
+    `<log_dir>/memguard`, adds `micro_batches` (when planning, the count the
+    batch ran with; otherwise the count for the next batch) to the batch and
+    epoch `logs` the train function returns, so every callback sees it
+    whatever its place in the `callbacks` list, and logs one INFO line
+    through the `keras_memguard` logger per change, saying why (`planned
+    k=3 for batch 408: predicted peak 88% of 600 MiB under target 90%`).
 
     A validation batch (during `fit`) that runs out of memory is evaluated
     in smaller slices instead, going on from the first sample not yet
@@ -100,6 +117,13 @@ class MemoryGuard(keras.callbacks.Callback):
         backup_dir: Directory where the guard keeps its state (the
             `backup_dir` of your `keras.callbacks.BackupAndRestore`), or
             `None` to keep it in memory only. Defaults to `None`.
+        plan: Plan each batch before it runs (`True`), or react to each
+            batch's peak after it ran (`False`: the `release`/`cooldown`
+            policy). Defaults to `True`.
+        plan_cache: Keep what the planner learned in
+            `$KERAS_HOME/memguard/` and start the next `fit` of the same
+            set-up from it. A corrupt or foreign file there is ignored with
+            one warning. Defaults to `True`.
 
     Raises:
         ValueError: If an argument is out of range.
@@ -125,6 +149,8 @@ class MemoryGuard(keras.callbacks.Callback):
         scale_learning_rate=False,
         log_dir=None,
         backup_dir=None,
+        plan=True,
+        plan_cache=True,
     ):
         super().__init__()
         self.config = policy.make_config(
@@ -143,6 +169,23 @@ class MemoryGuard(keras.callbacks.Callback):
                 f"Received: scale_learning_rate={scale_learning_rate!r}"
             )
         self.mode = mode
+        for name, value in (("plan", plan), ("plan_cache", plan_cache)):
+            if not isinstance(value, bool):
+                raise ValueError(
+                    f"`{name}` must be True or False. Received: {name}={value!r}"
+                )
+        self.plan = plan
+        self.plan_cache = plan_cache
+        self.planner_config = planner.make_planner_config(
+            threshold=threshold,
+            first_split=micro_batches if micro_batches > 1 else 8,
+            max_micro_batches=max_micro_batches,
+        )
+        self.planner_state = None
+        self._planning = False
+        self._plan_key = None
+        self._plan_fields = None
+        self._plan_limit = None
         if memory_limit is not None:
             AllocatorProbe(memory_limit=memory_limit)  # validates it
         self.memory_limit = memory_limit
@@ -214,11 +257,16 @@ class MemoryGuard(keras.callbacks.Callback):
             if self._multi_worker
             else ReplayTrainFunction
         )
+        # Several workers decide together from agreed numbers (the policy);
+        # one worker plans each batch before it runs.
+        self._planning = self.plan and not self._multi_worker
+        options = {"plan": self._plan_batch} if self._planning else {}
         self._function = function_class(
             model,
             micro_batches=self.state.micro_batches,
             mode=self.mode,
             on_out_of_memory=self._on_out_of_memory,
+            **options,
         )
         # The guard's function trains inside the model's logs carrier.
         self._carrier = logs_carrier.attach(model, self, self._contribute, self.params)
@@ -231,6 +279,7 @@ class MemoryGuard(keras.callbacks.Callback):
             self._writer.acquire(self)
 
     def on_train_end(self, logs=None):
+        self._save_plan()
         carrier = self._carrier
         if carrier is not None and carrier.inner is self._function:
             carrier.inner = self._previous_inner
@@ -278,6 +327,17 @@ class MemoryGuard(keras.callbacks.Callback):
             device_usage = sample.peak_bytes / device_limit
             if usage is None or device_usage > usage:
                 usage, limit = device_usage, device_limit
+        if self._planning:
+            self._observe(samples, usage, limit)
+        else:
+            self._decide(usage, limit)
+        if logs is not None:
+            logs[MICRO_BATCHES_LOG_KEY] = self.state.micro_batches
+        if self._writer is not None:
+            self._write_scalars()
+
+    def _decide(self, usage, limit):
+        """The reactive policy: the next batch's `k` from this one's peak."""
         if self._multi_worker:
             # The same decision at the same step on every worker.
             usage, _ = multi_worker.agree_on_usage(self.model.distribute_strategy, usage)
@@ -291,15 +351,83 @@ class MemoryGuard(keras.callbacks.Callback):
             self._announce(decision, limit)
             self._apply(decision.micro_batches)
             self._save_state()
-        if logs is not None:
-            logs[MICRO_BATCHES_LOG_KEY] = self.state.micro_batches
-        if self._writer is not None:
-            self._write_scalars()
+
+    # Planning.
+
+    def _observe(self, samples, usage, limit):
+        """Gives the planner the peak of the batch that just ran."""
+        work = self._function.last_work
+        if usage is None or work is None or self.planner_state is None:
+            return
+        current = None
+        for sample, device_limit in zip(samples, self._limits):
+            if device_limit == limit and sample.current_bytes is not None:
+                current = max(current or 0, sample.current_bytes)
+        self.planner_state = planner.observe(
+            self.planner_config,
+            self.planner_state,
+            work,
+            limit,
+            usage * limit,
+            current_bytes=current,
+        )
+
+    def _plan_batch(self, batch_size, sample_size, data):
+        """Plans the micro-batch count of the batch about to run."""
+        if self.planner_state is None:
+            self._start_planner(data)
+        decided = planner.plan(
+            self.planner_config,
+            self.planner_state,
+            batch_size,
+            sample_size,
+            self._plan_limit,
+        )
+        k = decided.micro_batches
+        if k != self.state.micro_batches:
+            logger.info(
+                "planned k=%d for batch %d: %s (micro-batch %d)",
+                k,
+                batch_size,
+                decided.reason,
+                -(-batch_size // k),
+            )
+            self.state = self.state._replace(
+                micro_batches=k, batches_since_change=0, calm_batches=0
+            )
+            self._apply(k)
+        return k
+
+    def _start_planner(self, data):
+        """Starts the planner, from the plan cache when it has this set-up."""
+        self._plan_limit = min(l for l in self._limits if l)
+        state = None
+        if self.plan_cache:
+            self._plan_fields = describe_setup(
+                self.model, data, self._reader.probe.devices, self._limits, self.mode
+            )
+            self._plan_key = plan_cache.setup_key(self._plan_fields)
+            state = plan_cache.load(self._plan_key, self._plan_fields)
+            if state is not None:
+                logger.info(
+                    "planning from %d measurement%s of an earlier run (%s)",
+                    len(state.readings),
+                    "" if len(state.readings) == 1 else "s",
+                    plan_cache.path_for(self._plan_key),
+                )
+        self.planner_state = state or planner.init_planner_state(
+            limit_bytes=self._plan_limit
+        )
+
+    def _save_plan(self):
+        if self._planning and self._plan_key and self.planner_state is not None:
+            plan_cache.save(self._plan_key, self._plan_fields, self.planner_state)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             logs[MICRO_BATCHES_LOG_KEY] = self.state.micro_batches
         self._save_state()
+        self._save_plan()
 
     def on_test_begin(self, logs=None):
         # Only `fit`'s validation (the train function is installed then);
@@ -344,8 +472,13 @@ class MemoryGuard(keras.callbacks.Callback):
                     "lower the batch size."
                 ),
             ) from error
-        self.state = state
         new_k = decision.micro_batches
+        if self._planning and self.planner_state is not None:
+            new_k = self._replan_after_out_of_memory(
+                replica_batch_size, micro_batches, new_k
+            )
+            state = state._replace(micro_batches=new_k)
+        self.state = state
         logger.info(
             "out of memory at %d micro-batch%s of a batch of %d: replaying it "
             "with %d micro-batches (micro-batch %s)",
@@ -357,7 +490,29 @@ class MemoryGuard(keras.callbacks.Callback):
         )
         self._apply(new_k)
         self._save_state()
+        self._save_plan()
         return new_k
+
+    def _replan_after_out_of_memory(self, batch_size, failed_k, doubled_k):
+        """The planner learns the failure and plans the replay."""
+        function = self._function
+        work = function.last_work
+        if work is None or not batch_size:
+            return doubled_k
+        self.planner_state = planner.observe_out_of_memory(
+            self.planner_config, self.planner_state, work, self._plan_limit
+        )
+        replanned = planner.plan(
+            self.planner_config,
+            self.planner_state,
+            batch_size,
+            function.last_sample_size,
+            self._plan_limit,
+        ).micro_batches
+        # Never the count that failed, nor fewer; within the policy's cap.
+        new_k = max(replanned, failed_k + 1)
+        cap = self.config.max_micro_batches
+        return min(new_k, batch_size, cap or new_k)
 
     def _on_eval_out_of_memory(self, batch_size, micro_batches, error):
         """Chooses the slice count to go on evaluating with, or raises.
@@ -534,6 +689,8 @@ class MemoryGuard(keras.callbacks.Callback):
                 "oom_count": self.eval_state.oom_count,
             },
         }
+        if self.planner_state is not None:
+            payload["planner"] = planner.planner_state_to_dict(self.planner_state)
         tmp = self._state_path() + ".tmp"
         with open(tmp, "w") as f:
             json.dump(payload, f)
@@ -546,6 +703,8 @@ class MemoryGuard(keras.callbacks.Callback):
             payload = json.load(f)
         self.state = policy.state_from_dict(payload["policy"])
         self._step = payload.get("step", self._step)
+        if payload.get("planner") is not None:
+            self.planner_state = planner.planner_state_from_dict(payload["planner"])
         evaluation = payload.get("eval") or {}
         self.eval_state = policy.init_eval_state(
             int(evaluation.get("micro_batches", 1)),

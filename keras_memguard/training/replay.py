@@ -35,13 +35,29 @@ class ReplayTrainFunction:
             micro_batches, error)` when a step runs out of memory; returns the
             number of micro-batches to replay the batch with, or raises.
             `None` re-raises the error. Defaults to `None`.
+        plan: Called as `plan(replica_batch_size, sample_size, data)` before
+            each batch runs (`sample_size`: elements of one sample's inputs,
+            see `sample_size_of`); returns the number of micro-batches to
+            run it with. `None` keeps `micro_batches`. Defaults to `None`.
     """
 
-    def __init__(self, model, micro_batches=1, mode="accumulate", on_out_of_memory=None):
+    def __init__(
+        self,
+        model,
+        micro_batches=1,
+        mode="accumulate",
+        on_out_of_memory=None,
+        plan=None,
+    ):
         self.model = model
         self.micro_batches = micro_batches
         self.mode = mode
         self.on_out_of_memory = on_out_of_memory
+        self.plan = plan
+        # Elements of one sample's inputs, and the work (micro-batch samples
+        # times that) of the last batch that ran, for the planner.
+        self.last_sample_size = None
+        self.last_work = None
         self.last_batch_size = None
         self.largest_batch_size = None
         self.last_replica_batch_size = None
@@ -78,8 +94,15 @@ class ReplayTrainFunction:
         self.last_replica_batch_size = replica_size
         if replica_size and (self.largest_replica_batch_size or 0) < replica_size:
             self.largest_replica_batch_size = replica_size
+        sample_size = None
+        if self.plan is not None and replica_size:
+            sample_size = sample_size_of(data, self.model.distribute_strategy)
+            self.micro_batches = self.plan(replica_size, sample_size, data)
+        self.last_sample_size = sample_size
         while True:
             micro_batches = self.micro_batches
+            if sample_size is not None:
+                self.last_work = -(-replica_size // micro_batches) * sample_size
             try:
                 return self.step_for(micro_batches)(data)
             except tf.errors.ResourceExhaustedError as error:
@@ -175,3 +198,42 @@ def _leading_dimension(value):
     if shape is None or len(shape) == 0 or shape[0] is None:
         return None
     return int(shape[0])
+
+
+def sample_size_of(data, strategy=None):
+    """Elements of one sample's inputs: the batch's size per sample.
+
+    The sum, over the input tensors (`x` of `(x, y, sample_weight)`), of the
+    product of their dimensions after the first. A sequence twice as long
+    or an image twice as large counts twice.
+
+    Args:
+        data: One batch as the dataset yields it.
+        strategy: The `tf.distribute.Strategy` that produced `data`.
+            Defaults to `None`.
+
+    Returns:
+        A float >= 1.
+
+    Example:
+
+    >>> sample_size_of((tf.zeros([32, 8, 4]), tf.zeros([32, 1])))
+    32.0
+    """
+    inputs = data[0] if isinstance(data, (tuple, list)) and data else data
+    size = 0
+    for leaf in tree.flatten(inputs):
+        if isinstance(leaf, tf.distribute.DistributedValues):
+            leaf = (
+                strategy.experimental_local_results(leaf)[0]
+                if strategy is not None
+                else leaf.values[0]
+            )
+        shape = getattr(leaf, "shape", None)
+        if shape is None:
+            continue
+        elements = 1
+        for dimension in shape[1:]:
+            elements *= dimension or 1
+        size += elements
+    return float(max(size, 1))

@@ -35,7 +35,7 @@ def main(argv=None):
 
     EPOCH = [0]
     SEEN = []
-    guard = keras_memguard.MemoryGuard(backup_dir=BACKUP)
+    guard = keras_memguard.MemoryGuard(backup_dir=BACKUP, plan=False)
 
     class Kill(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):

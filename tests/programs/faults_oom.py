@@ -51,7 +51,7 @@ def main(argv=None):
         x, y = make_data(RANDOM_BATCHES, [((start, start + BATCH), FIT_MIB)],
                          seed=entry["seed"])
         model = make_model()
-        guard = keras_memguard.MemoryGuard()
+        guard = keras_memguard.MemoryGuard(plan=False)
         record = Record(guard)
         history = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
                             callbacks=[guard, record])
@@ -67,7 +67,7 @@ def main(argv=None):
     start = TWICE_STEP * BATCH
     x, y = make_data(TWICE_BATCHES, [((start, start + BATCH), QUARTER_MIB)], seed=5)
     model = make_model()
-    guard = keras_memguard.MemoryGuard()
+    guard = keras_memguard.MemoryGuard(plan=False)
     fits = []
     for _ in range(3):
         before = model.train_function
@@ -95,7 +95,7 @@ def main(argv=None):
     x, y = make_data(6, [], seed=7)
     val_x, val_y = make_data(VAL_SAMPLES // BATCH, [((16, 32), FIT_MIB)], seed=8)
     model = make_model()
-    guard = keras_memguard.MemoryGuard()
+    guard = keras_memguard.MemoryGuard(plan=False)
     history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                         validation_data=(val_x, val_y), validation_batch_size=VAL_BATCH,
                         callbacks=[guard])

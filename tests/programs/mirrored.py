@@ -45,7 +45,7 @@ def run_uncapped(strategy, log_dir):
     for k in (1, 2):
         model = make_model(strategy, 32, 32)
         monitor = keras_memguard.MemoryMonitor(log_dir=f"{log_dir}/k{k}")
-        guard = keras_memguard.MemoryGuard(cooldown=1000)
+        guard = keras_memguard.MemoryGuard(cooldown=1000, plan=False)
         guard.state = keras_memguard.policy.init_state(k)
         seen = []
         record = keras.callbacks.LambdaCallback(
@@ -88,7 +88,7 @@ def run_capped(strategy):
     messages = collect_package_messages()
     x, y = make_data(CAPPED["n"], CAPPED["size"])
     model = make_model(strategy, CAPPED["size"], CAPPED["filters"])
-    guard = keras_memguard.MemoryGuard(threshold=0.9)
+    guard = keras_memguard.MemoryGuard(threshold=0.9, plan=False)
     history = model.fit(x, y, batch_size=CAPPED["batch_size"], epochs=1, shuffle=False,
                         verbose=0, callbacks=[keras_memguard.MemoryMonitor(), guard])
     emit_result({

@@ -1,0 +1,118 @@
+"""The planner: scripted readings in, micro-batch counts out (pure, fast)."""
+
+import math
+
+import pytest
+
+from keras_memguard import planner
+
+MIB = 1024 * 1024
+LIMIT = 600 * MIB
+
+
+def linear_peak(samples, fixed=20 * MIB, per_sample=3 * MIB):
+    return fixed + per_sample * samples
+
+
+def run_batches(config, state, batch_size, sample_size=1.0, batches=6, fits=None):
+    """Plans and 'runs' batches against a linear memory; returns the ks."""
+    ks = []
+    for _ in range(batches):
+        decided = planner.plan(config, state, batch_size, sample_size, LIMIT)
+        k = decided.micro_batches
+        micro = -(-batch_size // k)
+        work = micro * sample_size
+        if fits is not None and not fits(micro, sample_size):
+            state = planner.observe_out_of_memory(config, state, work, LIMIT)
+            ks.append(("oom", k))
+            continue
+        state = planner.observe(
+            config, state, work, LIMIT, linear_peak(micro * sample_size),
+            current_bytes=10 * MIB,
+        )
+        ks.append(k)
+    return ks, state
+
+
+def test_first_batch_is_split_cautiously_then_grows_to_the_target():
+    config = planner.make_planner_config(threshold=0.9)
+    ks, _ = run_batches(config, planner.init_planner_state(), 408)
+    assert ks[0] == 8
+    # Target 90% of 600 MiB = 540 MiB -> (540 - 20) / 3 = 173 samples: k=3
+    # (136 per micro-batch; 204 would not fit), reached without going over.
+    assert ks[-1] == 3
+    assert all(k >= 3 for k in ks)
+
+
+def test_any_count_not_only_powers_of_two():
+    config = planner.make_planner_config()
+    state = planner.init_planner_state()
+    for work in (51.0, 102.0):
+        state = planner.observe(config, state, work, LIMIT, linear_peak(work))
+    assert planner.plan(config, state, 408, 1.0, LIMIT).micro_batches == 3
+    assert planner.plan(config, state, 1024, 1.0, LIMIT).micro_batches == 6
+
+
+def test_shape_aware_prediction_splits_long_sequences_more():
+    config = planner.make_planner_config()
+    state = planner.init_planner_state()
+    for work in (50.0, 100.0):
+        state = planner.observe(config, state, work, LIMIT, linear_peak(work))
+    short = planner.plan(config, state, 64, 1.0, LIMIT).micro_batches
+    long = planner.plan(config, state, 64, 8.0, LIMIT).micro_batches
+    assert short == 1 and long == 4  # 64 * 8 = 512 units: 173 fit
+
+
+def test_out_of_memory_is_never_planned_again_and_lowers_the_target():
+    config = planner.make_planner_config()
+    state = planner.init_planner_state()
+    for work in (50.0, 100.0):
+        state = planner.observe(config, state, work, LIMIT, linear_peak(work))
+    # A cliff at 121 samples (fragmentation), below what the model allows.
+    ks, state = run_batches(
+        config, state, 1024, fits=lambda micro, size: micro <= 120, batches=5
+    )
+    # Each failure lowers the target below what was predicted there.
+    assert ks == [("oom", 6), ("oom", 7), ("oom", 8), 9, 9]
+    assert state.failed_work == 128.0
+    assert state.capacity_usage < planner.predict_peak(state, 128.0) / LIMIT
+
+
+def test_no_reading_means_no_prediction_and_bad_state_is_refused():
+    assert planner.predict_peak(planner.init_planner_state(), 10) is None
+    with pytest.raises(ValueError, match="readings"):
+        planner.planner_state_from_dict(
+            {"version": 1, "readings": "x", "failed_work": "inf"}
+        )
+    state = planner.init_planner_state(base_bytes=3)._replace(failed_work=9.0)
+    assert planner.planner_state_from_dict(planner.planner_state_to_dict(state)) == state
+
+
+def test_far_below_the_target_the_whole_batch_runs_at_once():
+    config = planner.make_planner_config()
+    state = planner.observe(config, planner.init_planner_state(), 8.0, LIMIT, 10 * MIB)
+    decided = planner.plan(config, state, 64, 1.0, LIMIT)
+    assert decided.micro_batches == 1
+    assert decided.predicted_usage < 0.2
+
+
+def test_one_sample_over_the_target_plans_single_samples():
+    config = planner.make_planner_config(max_micro_batches=16)
+    state = planner.observe(config, planner.init_planner_state(), 1.0, LIMIT, 590 * MIB)
+    decided = planner.plan(config, state, 64, 1.0, LIMIT)
+    assert decided.micro_batches == 16
+    assert "still over" in decided.reason
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"threshold": 0}, "threshold"),
+        ({"growth": 1}, "growth"),
+        ({"first_split": 0}, "first_split"),
+        ({"max_micro_batches": 0}, "max_micro_batches"),
+    ],
+)
+def test_bad_settings_are_refused_with_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        planner.make_planner_config(**kwargs)

@@ -1,0 +1,245 @@
+"""MemoryGuard plans each batch before it runs (in process, real fit).
+
+The process runs under a generous BFC cap (conftest), so no out-of-memory
+error can happen here: the guard's `memory_limit` is set below what the
+whole batch needs, and the tests check that the planner splits before any
+batch would have crossed it, from the measured peaks. The real capped runs
+(zero out-of-memory errors where plain training fails) are in
+tests/test_planning_under_cap.py.
+"""
+
+import json
+import logging
+import os
+import re
+
+import numpy as np
+import pytest
+
+import keras
+
+import keras_memguard
+from helpers import SampleCount
+from keras_memguard import plan_cache
+
+MIB = 1024 * 1024
+BATCH = 64
+
+# Real fits of a CNN, several per test: beyond the fast loop's budget.
+pytestmark = pytest.mark.slow
+
+
+def make_cnn(seed=0):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((48, 48, 3)),
+            keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(optimizer="adam", loss="mse", metrics=[SampleCount()])
+    return model
+
+
+def make_data(n=8 * BATCH, seed=1):
+    rng = np.random.default_rng(seed)
+    return (
+        rng.normal(size=(n, 48, 48, 3)).astype("float32"),
+        rng.normal(size=(n, 1)).astype("float32"),
+    )
+
+
+class Peaks(keras.callbacks.Callback):
+    """Per batch: the count it ran with and its measured peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.ks, self.peaks = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ks.append(int(logs["micro_batches"]))
+        self.peaks.append(logs["memory_peak_mib"] * MIB)
+
+
+def batch_peak(k):
+    """The steady peak of this CNN's batch of 64 at `k` micro-batches."""
+    x, y = make_data(2 * BATCH)
+    peaks = Peaks()
+    make_cnn().fit(
+        x, y, batch_size=BATCH, epochs=2, verbose=0,
+        callbacks=[
+            keras_memguard.MemoryMonitor(), peaks,
+            keras_memguard.MemoryGuard(
+                memory_limit=1 << 40, micro_batches=k, cooldown=1000, plan=False
+            ),
+        ],
+    )
+    return peaks.peaks[-1]
+
+
+@pytest.fixture(scope="module")
+def limit():
+    # A limit whose 90% threshold lies halfway between the peaks at 8
+    # micro-batches and at one: the whole batch must be split.
+    whole, split = batch_peak(1), batch_peak(8)
+    assert whole > 1.1 * split, (whole, split)
+    return int((split + 0.5 * (whole - split)) / 0.9)
+
+
+def guarded_fit(limit, epochs=1, **options):
+    x, y = make_data()
+    peaks = Peaks()
+    guard = keras_memguard.MemoryGuard(memory_limit=limit, **options)
+    history = make_cnn().fit(
+        x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+        callbacks=[keras_memguard.MemoryMonitor(), peaks, guard],
+    )
+    return guard, peaks, history
+
+
+def test_every_batch_is_planned_under_the_threshold_before_it_runs(limit, caplog):
+    with caplog.at_level(logging.INFO, logger="keras_memguard"):
+        guard, peaks, history = guarded_fit(limit, plan_cache=False)
+    assert history.history["samples"] == [8.0 * BATCH]
+    assert guard.oom_recoveries == 0
+    assert peaks.ks[0] == 8  # nothing known yet: a cautious first split
+    # Every batch stayed under the limit although the whole batch would
+    # cross the threshold, and the plan settled between the two.
+    assert max(peaks.peaks) < limit
+    assert 2 <= peaks.ks[-1] < 8
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("planned")]
+    assert lines, [r.getMessage() for r in caplog.records]
+    assert re.match(
+        r"planned k=\d+ for batch 64: predicted peak \d+% of \d+ MiB under "
+        r"target 90% \(micro-batch \d+\)$",
+        lines[-1],
+    ), lines
+
+
+def test_a_second_fit_of_the_same_setup_starts_from_the_cache(limit, caplog):
+    first, first_peaks, _ = guarded_fit(limit)
+    files = os.listdir(plan_cache.cache_dir())
+    assert len(files) == 1 and files[0].startswith("plan-")
+    with caplog.at_level(logging.INFO, logger="keras_memguard"):
+        second, peaks, history = guarded_fit(limit)
+    assert any("planning from" in r.getMessage() for r in caplog.records)
+    # No cautious first split: the first batch runs at the learned count.
+    assert peaks.ks[0] == first_peaks.ks[-1] == peaks.ks[-1]
+    assert second.oom_recoveries == 0
+    assert history.history["samples"] == [8.0 * BATCH]
+
+
+def test_a_corrupt_cache_file_is_ignored_with_one_warning(limit):
+    guarded_fit(limit)
+    (name,) = os.listdir(plan_cache.cache_dir())
+    path = os.path.join(plan_cache.cache_dir(), name)
+    with open(path, "w") as f:
+        f.write("{not json")
+    with pytest.warns(UserWarning, match="ignores the plan cache file") as record:
+        _, peaks, _ = guarded_fit(limit)
+    assert len([w for w in record if "plan cache" in str(w.message)]) == 1
+    assert peaks.ks[0] == 8  # planned from scratch
+    with open(path) as f:
+        assert json.load(f)["version"] == plan_cache.CACHE_FORMAT_VERSION
+
+
+def test_a_cache_file_of_another_setup_is_not_trusted(limit):
+    guarded_fit(limit)
+    (name,) = os.listdir(plan_cache.cache_dir())
+    path = os.path.join(plan_cache.cache_dir(), name)
+    with open(path) as f:
+        payload = json.load(f)
+    payload["setup"]["limits"] = [1]
+    with open(path, "w") as f:
+        json.dump(payload, f)
+    with pytest.warns(UserWarning, match="another training set-up"):
+        _, peaks, _ = guarded_fit(limit)
+    assert peaks.ks[0] == 8
+
+
+def test_plan_cache_false_writes_nothing(limit):
+    guarded_fit(limit, plan_cache=False)
+    assert not os.path.exists(plan_cache.cache_dir())
+
+
+def test_plan_false_reacts_after_the_batch_instead(limit, caplog):
+    with caplog.at_level(logging.INFO, logger="keras_memguard"):
+        guarded_fit(limit, plan=False, plan_cache=False)
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if m.startswith("planned")]
+    # The first batch ran whole, and the policy split after it.
+    assert any(m.endswith("micro-batches 1 -> 2 (micro-batch 32)") for m in messages), messages
+
+
+# --- Variable shapes: length-bucketed text. ---
+
+LENGTHS = (16, 32, 64, 128)
+
+
+def text_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((None,), dtype="int32")
+    h = keras.layers.Embedding(500, 32)(inputs)
+    h = keras.layers.Conv1D(64, 5, padding="same", activation="relu")(h)
+    h = keras.layers.Conv1D(64, 5, padding="same", activation="relu")(h)
+    outputs = keras.layers.Dense(1)(keras.layers.GlobalMaxPooling1D()(h))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="adam", loss="mse", metrics=[SampleCount()])
+    return model
+
+
+def bucketed_batches(repeats=3):
+    rng = np.random.default_rng(0)
+    order = [length for length in LENGTHS for _ in range(repeats)]
+    rng.shuffle(order)
+
+    def generate():
+        for length in order:
+            x = rng.integers(0, 500, size=(BATCH, length)).astype("int32")
+            yield x, rng.normal(size=(BATCH, 1)).astype("float32")
+
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_generator(
+        generate,
+        output_signature=(
+            tf.TensorSpec((None, None), tf.int32),
+            tf.TensorSpec((None, 1), tf.float32),
+        ),
+    ), len(order)
+
+
+def test_longer_sequences_get_more_micro_batches():
+    # Measure the longest bucket's whole-batch peak, then set the limit so
+    # that only the long buckets need splitting.
+    probe_model = text_model()
+    dataset, batches = bucketed_batches()
+    peaks = Peaks()
+    probe_model.fit(
+        dataset, epochs=1, verbose=0,
+        callbacks=[keras_memguard.MemoryMonitor(), peaks,
+                   keras_memguard.MemoryGuard(memory_limit=1 << 40, plan=False)],
+    )
+    # The memory of a batch of the longest bucket, roughly.
+    limit = int(max(peaks.peaks) / 1.3)
+
+    model = text_model()
+    guard = keras_memguard.MemoryGuard(memory_limit=limit, plan_cache=False)
+    dataset, batches = bucketed_batches()
+    recorded = []
+
+    class Lengths(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            recorded.append((int(logs["micro_batches"]), logs["memory_peak_mib"] * MIB))
+
+    history = model.fit(
+        dataset, epochs=1, verbose=0,
+        callbacks=[keras_memguard.MemoryMonitor(), Lengths(), guard],
+    )
+    assert history.history["samples"] == [float(BATCH * batches)]
+    assert guard.oom_recoveries == 0
+    # The planner splits the long buckets more than the short ones.
+    assert len({k for k, _ in recorded[1:]}) >= 2, recorded
