@@ -310,12 +310,9 @@ def _before_initialization(setting):
 
 def _tensorflow_initialized():
     """Whether TensorFlow has initialized its devices; `None` if unknown."""
-    try:
-        from tensorflow.python.eager import context
+    from keras_memguard.training import compat
 
-        return context.context()._context_handle is not None
-    except (ImportError, AttributeError):
-        return None
+    return compat.tensorflow_initialized()
 
 
 def _set_allocator(allocator, gpus):

@@ -42,6 +42,8 @@ def test_every_private_name_resolves_on_this_version(owner, name):
         target = _compiled_model()  # Set by `__init__`/`compile`.
     if owner == "keras.optimizers.Optimizer":
         target = keras.optimizers.SGD(0.1)
+    if owner == "tensorflow.python.eager.context.Context":
+        target = _owner("tensorflow.python.eager.context").context()  # an instance's
     assert hasattr(target, name), f"{owner}.{name} (Keras {keras.__version__})"
 
 

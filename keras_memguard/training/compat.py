@@ -32,6 +32,7 @@ PRIVATE_NAMES = (
     ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer"),
     ("keras.src.losses.loss", "unscale_loss_for_distribution"),
     ("tensorflow.python.eager.context", "context"),
+    ("tensorflow.python.eager.context.Context", "_context_handle"),
     (
         "tensorflow.python.distribute.collective_all_reduce_strategy",
         "CollectiveAllReduceExtended",
@@ -197,6 +198,18 @@ def report_error_to_cluster(code, message):
     """Aborts the collectives of every worker with `code` and `message`."""
     context = _import_attribute("tensorflow.python.eager.context", "context")
     context().report_error_to_cluster(code, message)
+
+
+def tensorflow_initialized():
+    """Whether TensorFlow's eager context (and so its devices) is initialized.
+
+    `None` when the installed TensorFlow does not say.
+    """
+    try:
+        context = _import_attribute("tensorflow.python.eager.context", "context")
+        return context()._context_handle is not None
+    except (AttributeError, UnsupportedTrainingSetupError):
+        return None
 
 
 def set_cluster_value(key, value):
