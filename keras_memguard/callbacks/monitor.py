@@ -10,6 +10,7 @@ from keras_memguard.probes.nvml import NvmlProbe
 from keras_memguard.sinks import tensorboard as tb
 
 PEAK_LOG_KEY = "memory_peak_mib"
+_MIB = float(1024 * 1024)
 USAGE_LOG_KEY = "memory_usage"
 
 
@@ -98,10 +99,18 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._step = 0
         self._last_batch = -1
         self._since_sample = 0
-        self._epoch_peaks = {}
         self._open_interval = False
         self._in_fit = False
+        # Per fit: one entry per device, in the probe's order.
         self._limits = ()
+        self._limits_mib = ()
+        self._devices = None
+        self._batch_tags = None
+        self._nvml_on = False
+        self._steps_per_execution = 1
+        self._epoch_steps = None
+        # The epoch's highest peak per device (bytes), and over devices.
+        self._epoch_peaks = None
         self._epoch_peak_mib = None
         self._epoch_usage = None
         # The logs dict the train function returned last, once this monitor
@@ -118,7 +127,13 @@ class MemoryMonitor(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._in_fit = True
-        self._limits = resolve_limits(self._reader.probe, self.memory_limit)
+        probe = self._reader.probe
+        self._limits = resolve_limits(probe, self.memory_limit)
+        self._limits_mib = [tb.to_mib(limit) for limit in self._limits]
+        self._devices = self._batch_tags = None  # from the first sample
+        self._steps_per_execution = self.model.steps_per_execution or 1
+        self._epoch_steps = (self.params or {}).get("steps")
+        self._nvml_on = self._nvml_probe is not None and self._nvml_probe.available
         self._reader.reset()
         if self._writer is not None:
             self._writer.acquire(self)
@@ -137,7 +152,8 @@ class MemoryMonitor(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._last_batch = -1
         self._since_sample = 0
-        self._epoch_peaks = {}
+        self._epoch_steps = (self.params or {}).get("steps")
+        self._epoch_peaks = None
         self._epoch_peak_mib = None
         self._epoch_usage = None
 
@@ -149,9 +165,10 @@ class MemoryMonitor(keras.callbacks.Callback):
         """
         # The batch number Keras 3.15 passes to on_train_batch_end: the
         # execution's last step.
-        steps = self.model.steps_per_execution or 1
         self._after_batch(
-            self._last_batch + steps, logs, key=self._carrier.batch_key
+            self._last_batch + self._steps_per_execution,
+            logs,
+            self._carrier.batch_key,
         )
         self._contributed = logs
 
@@ -160,7 +177,7 @@ class MemoryMonitor(keras.callbacks.Callback):
         if contributed is None:
             # No carrier (the train function was replaced after
             # on_train_begin): read here; only later callbacks see the keys.
-            self._after_batch(batch, logs, key=(id(logs), batch))
+            self._after_batch(batch, logs, (id(logs), batch))
             return
         self._contributed = None
         if contributed is not logs:
@@ -175,22 +192,18 @@ class MemoryMonitor(keras.callbacks.Callback):
         steps = batch - self._last_batch
         self._last_batch = batch
         self._step += steps
-        self._since_sample += steps
         self._open_interval = True
-        due = self.update_freq != "epoch" and self._since_sample >= self._every
+        since = self._since_sample + steps
+        if self.update_freq != "epoch" and since >= self._every:
+            self._since_sample = 0
+            self._sample(logs, key, True)
+            return
+        self._since_sample = since
         # Close the interval at the epoch's last batch, before Keras sets up
         # validation (which allocates, e.g. the validation set as tensors).
-        epoch_steps = (self.params or {}).get("steps")
-        last = epoch_steps is not None and batch + 1 >= epoch_steps
-        if not (due or last):
-            return
-        if due:
-            self._since_sample = 0
-        self._sample(
-            logs if due else None,
-            key=key,
-            write=due or self.update_freq == "epoch",
-        )
+        epoch_steps = self._epoch_steps
+        if epoch_steps is not None and batch + 1 >= epoch_steps:
+            self._sample(None, key, self.update_freq == "epoch")
 
     def on_test_begin(self, logs=None):
         # Fallback when the epoch's length is unknown: close the training
@@ -206,11 +219,12 @@ class MemoryMonitor(keras.callbacks.Callback):
         if self._open_interval:
             # The batches since the last sample; in "epoch" mode, the epoch.
             self._sample(None, key=None, write=self.update_freq == "epoch")
-        if not self._epoch_peaks:
+        peaks = self._epoch_peaks
+        if peaks is None:
             return
         scalars = []
         peak_mib = usage = None
-        for device, (peak, limit) in self._epoch_peaks.items():
+        for device, peak, limit in zip(self._devices, peaks, self._limits):
             scalars.append((self._tags_of(device)["epoch_peak"], tb.to_mib(peak)))
             peak_mib = _max(peak_mib, tb.to_mib(peak))
             if peak is not None and limit:
@@ -228,42 +242,75 @@ class MemoryMonitor(keras.callbacks.Callback):
             tags = self._tags[device] = tb.device_tags(device)
         return tags
 
+    def _start_fit_rows(self, samples):
+        """Names the devices and their batch tags from the fit's first sample."""
+        self._devices = tuple(sample.device for sample in samples)
+        tags = []
+        for device in self._devices:
+            names = self._tags_of(device)
+            tags += (names["current"], names["peak"], names["limit"], names["usage"])
+        self._batch_tags = tuple(tags)
+
     def _sample(self, logs, key, write):
-        """Reads the probes; with `write`, writes one point per device."""
+        """Reads the probes; with `write`, writes one point per device.
+
+        The per-batch path: one (shared) probe reading, a few comparisons,
+        and one row queued for the writer.
+        """
         self._open_interval = False
         samples = self._reader.read(self, key)
-        scalars = []
+        if self._batch_tags is None:
+            self._start_fit_rows(samples)
+        peaks = self._epoch_peaks
+        if peaks is None:
+            peaks = self._epoch_peaks = [None] * len(samples)
+        limits = self._limits
+        limits_mib = self._limits_mib
+        values = []
         peak_mib = usage = None
-        for sample, limit in zip(samples, self._limits):
-            tags = self._tags_of(sample.device)
+        for i, sample in enumerate(samples):
+            current = sample.current_bytes
+            current = None if current is None else current / _MIB
             peak = sample.peak_bytes
-            sample_usage = peak / limit if peak is not None and limit else None
-            scalars += (
-                (tags["current"], tb.to_mib(sample.current_bytes)),
-                (tags["peak"], tb.to_mib(peak)),
-                (tags["limit"], tb.to_mib(limit)),
-                (tags["usage"], sample_usage),
-            )
-            peak_mib = _max(peak_mib, tb.to_mib(peak))
-            usage = _max(usage, sample_usage)
-            old = self._epoch_peaks.get(sample.device)
-            if old is None or (peak is not None and (old[0] is None or peak > old[0])):
-                self._epoch_peaks[sample.device] = (peak, limit)
-        self._epoch_peak_mib = _max(self._epoch_peak_mib, peak_mib)
-        self._epoch_usage = _max(self._epoch_usage, usage)
-        if write and self._nvml_probe is not None and self._nvml_probe.available:
-            for reading in self._nvml_probe.sample():
-                tags = self._tags_of(reading.device)
-                scalars += (
-                    (tags["nvml_used"], tb.to_mib(reading.used_bytes)),
-                    (tags["nvml_process"], tb.to_mib(reading.process_bytes)),
-                    (tags["gpu_percent"], reading.gpu_utilization_percent),
-                )
-        if logs is not None:
-            _put(logs, PEAK_LOG_KEY, peak_mib)
-            _put(logs, USAGE_LOG_KEY, usage)
+            if peak is None:
+                values += (current, None, limits_mib[i], None)
+                continue
+            sample_peak_mib = peak / _MIB
+            limit = limits[i]
+            sample_usage = peak / limit if limit else None
+            values += (current, sample_peak_mib, limits_mib[i], sample_usage)
+            if peak_mib is None or sample_peak_mib > peak_mib:
+                peak_mib = sample_peak_mib
+            if sample_usage is not None and (usage is None or sample_usage > usage):
+                usage = sample_usage
+            old = peaks[i]
+            if old is None or peak > old:
+                peaks[i] = peak
+        if peak_mib is not None:
+            if self._epoch_peak_mib is None or peak_mib > self._epoch_peak_mib:
+                self._epoch_peak_mib = peak_mib
+            if logs is not None:
+                logs[PEAK_LOG_KEY] = peak_mib
+        if usage is not None:
+            if self._epoch_usage is None or usage > self._epoch_usage:
+                self._epoch_usage = usage
+            if logs is not None:
+                logs[USAGE_LOG_KEY] = usage
         if write and self._writer is not None:
-            self._writer.write(self._step, scalars)
+            self._writer.write_values(self._step, self._batch_tags, values)
+            if self._nvml_on:
+                self._writer.write(self._step, self._nvml_scalars())
+
+    def _nvml_scalars(self):
+        scalars = []
+        for reading in self._nvml_probe.sample():
+            tags = self._tags_of(reading.device)
+            scalars += (
+                (tags["nvml_used"], tb.to_mib(reading.used_bytes)),
+                (tags["nvml_process"], tb.to_mib(reading.process_bytes)),
+                (tags["gpu_percent"], reading.gpu_utilization_percent),
+            )
+        return scalars
 
 
 def _max(a, b):

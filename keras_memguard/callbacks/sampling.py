@@ -21,12 +21,30 @@ from keras_memguard.probes.tf_allocator import normalize_device
 _readers = weakref.WeakKeyDictionary()
 
 
+class _Consumer:
+    """A consumer's bookkeeping: the peaks it missed, and what it has seen."""
+
+    __slots__ = ("seen", "missed", "__weakref__")
+
+    def __init__(self, seen):
+        # The number of the last reading this consumer was given, or of
+        # the last reset.
+        self.seen = seen
+        # Highest peak per device over readings taken since and not given
+        # to this consumer (another consumer's reads), or None.
+        self.missed = None
+
+
 class SharedAllocatorReader:
     """Reads an `AllocatorProbe` once per batch on behalf of several consumers.
 
     The probe is made on first use of `probe`. Each consumer applies its
     own `memory_limit` (see `resolve_limits`); when every consumer has one,
     the probe is told so and does not warn that no limit is known.
+
+    Consumers that read every batch with the batch's key cost one probe
+    reading and a few comparisons per batch; only a consumer that skipped a
+    reading another took gets new samples with the peaks folded in.
 
     Args:
         probe: The `AllocatorProbe` to read, or `None` to make one for
@@ -42,12 +60,13 @@ class SharedAllocatorReader:
         self.devices = devices
         # consumer -> the memory limit it registered with (or None).
         self._limits = weakref.WeakKeyDictionary()
+        # id(consumer) -> _Consumer. Keyed by id, not weakly by the
+        # consumer (a callback, which holds the model that must stay
+        # collectable): a finalizer removes the entry.
+        self._consumers = {}
+        self._readings = 0
         self._last_key = None
         self._last_samples = ()
-        # consumer -> highest peak per device since that consumer's last read.
-        # Weak: a consumer (a callback) holds the model, which must stay
-        # collectable.
-        self._pending = weakref.WeakKeyDictionary()
 
     @property
     def probe(self):
@@ -67,7 +86,10 @@ class SharedAllocatorReader:
                 every consumer has one, the probe does not warn that no
                 limit is known. Defaults to `None`.
         """
-        self._pending.setdefault(consumer, None)
+        key = id(consumer)
+        if key not in self._consumers:
+            self._consumers[key] = _Consumer(self._readings)
+            weakref.finalize(consumer, self._consumers.pop, key, None)
         self._limits[consumer] = memory_limit
         if self._own_probe and self._probe is not None:
             # Takes effect if the probe has not resolved its devices yet.
@@ -92,8 +114,9 @@ class SharedAllocatorReader:
         """Resets the allocator peaks and forgets every pending interval."""
         self.probe.reset()
         self._last_key = None
-        for consumer in self._pending:
-            self._pending[consumer] = None
+        for state in self._consumers.values():
+            state.seen = self._readings
+            state.missed = None
 
     def read(self, consumer, key=None):
         """Returns samples whose peak covers `consumer`'s interval.
@@ -105,24 +128,36 @@ class SharedAllocatorReader:
 
         Returns:
             A tuple of `AllocatorSample`, one per device, where `peak_bytes`
-            is the highest peak since `consumer` last read.
+            is the highest peak since `consumer` last read (or since the
+            last `reset`).
         """
+        state = self._consumers.get(id(consumer))
         if key is None or key != self._last_key:
-            samples = self.probe.sample()
+            previous = self._readings
+            if previous:
+                # Whoever did not get the previous reading keeps its peaks.
+                for other in self._consumers.values():
+                    if other.seen != previous and other is not state:
+                        other.missed = _max_peaks(other.missed, self._last_samples)
+            probe = self._probe
+            if probe is None:
+                probe = self.probe
+            samples = probe.sample()
+            self._readings = previous + 1
             self._last_key = key
             self._last_samples = samples
-            for other, peaks in list(self._pending.items()):
-                if other is not consumer:
-                    self._pending[other] = _max_peaks(peaks, samples)
         else:
             samples = self._last_samples
-        peaks = self._pending.get(consumer)
-        self._pending[consumer] = None
-        if peaks is None:
+        if state is None:  # not registered: the reading alone
             return samples
+        state.seen = self._readings
+        missed = state.missed
+        if missed is None:
+            return samples
+        state.missed = None
         return tuple(
             sample._replace(peak_bytes=peak)
-            for sample, peak in zip(samples, _max_peaks(peaks, samples))
+            for sample, peak in zip(samples, _max_peaks(missed, samples))
         )
 
 

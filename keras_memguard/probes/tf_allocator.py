@@ -368,26 +368,28 @@ class AllocatorProbe:
         if self._entries is None:
             self._ensure_ready()
         get = self._get_memory_info
-        infos = []
+        readings = []
         for entry in self._entries:
-            info = None
+            current = peak = None
             if entry.mode != "unavailable":
                 try:
                     info = get(entry.tf_device)
+                    current = info["current"]
+                    peak = info["peak"]
                 except Exception as e:  # A probe never stops training.
                     self._log_failure("get_memory_info", entry, e)
-            infos.append(info)
-        self._reset_all()
-        return tuple(
-            AllocatorSample(
-                entry.name,
-                entry.tf_device,
-                None if info is None else info["current"],
-                None if info is None else info["peak"],
-                entry.limit,
+            readings.append(
+                AllocatorSample(entry.name, entry.tf_device, current, peak, entry.limit)
             )
-            for entry, info in zip(self._entries, infos)
-        )
+        # Every device is read before any is reset: logical devices can
+        # share one allocator.
+        reset = self._reset_memory_stats
+        for entry in self._readable:
+            try:
+                reset(entry.tf_device)
+            except Exception as e:  # A probe never stops training.
+                self._log_failure("reset_memory_stats", entry, e)
+        return tuple(readings)
 
     def _reset_all(self):
         reset = self._reset_memory_stats
