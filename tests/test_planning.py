@@ -21,6 +21,8 @@ import keras
 import keras_memguard
 from helpers import SampleCount
 from keras_memguard import plan_cache
+from keras_memguard.training.step import step_function
+from keras_memguard.training.step import tracing_count
 
 MIB = 1024 * 1024
 BATCH = 64
@@ -212,7 +214,7 @@ def bucketed_batches(repeats=3):
     ), len(order)
 
 
-def test_longer_sequences_get_more_micro_batches():
+def test_longer_sequences_get_more_micro_batches_without_retracing_each():
     # Measure the longest bucket's whole-batch peak, then set the limit so
     # that only the long buckets need splitting.
     probe_model = text_model()
@@ -243,3 +245,17 @@ def test_longer_sequences_get_more_micro_batches():
     assert guard.oom_recoveries == 0
     # The planner splits the long buckets more than the short ones.
     assert len({k for k, _ in recorded[1:]}) >= 2, recorded
+    # No retracing for every new length: each count's step traced at most
+    # twice (its first shapes, then once with the length left open), also
+    # for a count that sees every length.
+    for k in {k for k, _ in recorded}:
+        assert tracing_count(step_function(model, k, "accumulate")) <= 2, k
+    pinned = text_model()
+    dataset, _ = bucketed_batches()
+    pinned.fit(
+        dataset, epochs=1, verbose=0,
+        callbacks=[keras_memguard.MemoryGuard(
+            memory_limit=1 << 40, micro_batches=2, cooldown=1000, plan=False
+        )],
+    )
+    assert tracing_count(step_function(pinned, 2, "accumulate")) == 2

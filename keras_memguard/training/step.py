@@ -391,7 +391,22 @@ def make_step_function(model, micro_batches, mode="accumulate"):
             reduce_retracing=True,
             jit_compile=model.jit_compile,
         )
-    return compat.autoconvert_optionals(model, one_step_on_data)
+    step = compat.autoconvert_optionals(model, one_step_on_data)
+    if step is not one_step_on_data:
+        step.compiled_step = one_step_on_data
+    return step
+
+
+def tracing_count(step):
+    """How many times a step from `make_step_function` was traced.
+
+    With `reduce_retracing=True` a step traces once for its first input
+    shapes and once more, with the varying dimensions left open, for all
+    later ones. `None` for a step that runs eagerly.
+    """
+    compiled = getattr(step, "compiled_step", step)
+    count = getattr(compiled, "experimental_get_tracing_count", None)
+    return None if count is None else count()
 
 
 def cached_function(model, key, build):
