@@ -136,13 +136,13 @@ def test_rows_of_one_step_become_one_event_and_none_is_skipped(tmp_path):
     writer.close()
 
 
-def test_nothing_is_written_on_the_training_thread_until_a_flush(tmp_path):
+def test_nothing_is_written_on_the_training_thread_until_a_flush(tmp_path, monkeypatch):
+    monkeypatch.setattr(tb, "FLUSH_SECS", 60)
     writer = tb.ScalarWriter(str(tmp_path / "memguard"))
     holder = _Holder()
     writer.acquire(holder)
     writer.write(1, ((tb.MICRO_BATCHES, 1),))
-    # Queued, not yet encoded: no file until the thread or a flush runs
-    # (the thread waits FLUSH_SECS first).
+    # Queued, not yet encoded: nothing until the thread or a flush runs.
     assert writer._pending
     writer.flush()
     assert not writer._pending
