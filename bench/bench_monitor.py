@@ -14,9 +14,17 @@ allocator reader, so one monitor's cost does not leak into another's. The fair b
 that overrides `on_train_batch_end`: any batch-level callback makes Keras
 turn the step's logs into Python floats every batch.
 
-Also measured (median of repeats, microseconds per call): one
-`AllocatorProbe.sample()`, one `get_memory_info`, and one
-`MemoryMonitor.on_train_batch_end` called directly with a logs dict.
+Also measured, per call in microseconds (median of repeats, the variants
+interleaved and rotated each repeat): one `get_memory_info`, one
+`reset_memory_stats`, one `AllocatorProbe.sample()`; the monitor's
+`on_train_batch_end` called directly with a logs dict; and the whole
+per-batch path `fit` runs (the model's logs carrier calling the callbacks'
+contributions after the train function, then `on_train_batch_end`) for the
+monitor alone and for the monitor with `MemoryGuard`, both with `log_dir`;
+and, in a real `fit` with both callbacks, the median time of each of their
+per-batch hooks.
+"CPU per batch" adds the event writer's thread: process CPU time of the calls
+plus the flush of their events, per call.
 Prints Markdown tables.
 """
 
@@ -50,7 +58,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from keras_memguard.callbacks import logs_carrier  # noqa: E402
+from keras_memguard.callbacks.guard import MemoryGuard  # noqa: E402
 from keras_memguard.callbacks.monitor import MemoryMonitor  # noqa: E402
+from keras_memguard.callbacks.sampling import shared_reader  # noqa: E402
 from keras_memguard.probes.tf_allocator import AllocatorProbe  # noqa: E402
 
 BATCH = 256
@@ -131,12 +142,59 @@ def per_call_us(fn, number, repeat):
     return statistics.median(runs) / number * 1e6
 
 
-def monitor_batch_end_us(model, log_dir, number, repeat):
-    """Median microseconds of one on_train_batch_end, called directly."""
+def interleaved_per_call(calls, number, repeat):
+    """Wall and CPU microseconds per call of each entry, interleaved.
+
+    Args:
+        calls: `{name: (call, after)}`: `call()` is timed `number` times in a
+            row; `after()` (or `None`) runs right after, inside the CPU
+            measurement only (the event flush: the writer thread's share).
+        number: Calls per timing.
+        repeat: Timings per entry; the order rotates each repeat.
+
+    Returns:
+        `({name: median wall us}, {name: median CPU us})`.
+    """
+    names = list(calls)
+    wall = {name: [] for name in names}
+    cpu = {name: [] for name in names}
+    for r in range(repeat):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            call, after = calls[name]
+            start_cpu = time.process_time()
+            start = time.perf_counter()
+            for _ in range(number):
+                call()
+            elapsed = time.perf_counter() - start
+            if after is not None:
+                after()
+            wall[name].append(elapsed / number * 1e6)
+            cpu[name].append((time.process_time() - start_cpu) / number * 1e6)
+    return (
+        {name: statistics.median(v) for name, v in wall.items()},
+        {name: statistics.median(v) for name, v in cpu.items()},
+    )
+
+
+def _writer_flush(callback):
+    writer = callback._writer
+    return None if writer is None else writer.flush
+
+
+def direct_batch_end(log_dir):
+    """`MemoryMonitor.on_train_batch_end` called directly with a logs dict.
+
+    No logs carrier is installed, so each call reads the probe itself, as it
+    does when the train function is replaced after `on_train_begin`.
+    Returns `(call, after, close)`.
+    """
+    model = build_model()  # its own reader: this monitor is its one consumer
     monitor = MemoryMonitor(log_dir=log_dir)
     monitor.set_model(model)
     monitor.set_params({"epochs": 1, "steps": None, "verbose": 0})
     monitor.on_train_begin()
+    logs_carrier.detach(model, monitor)
     monitor.on_epoch_begin(0)
     batches = itertools.count()
     logs = {"loss": 0.5}
@@ -144,16 +202,103 @@ def monitor_batch_end_us(model, log_dir, number, repeat):
     def call():
         monitor.on_train_batch_end(next(batches), logs)
 
-    us = per_call_us(call, number, repeat)
-    monitor.on_train_end()
-    return monitor, call, us
+    return call, _writer_flush(monitor), monitor.on_train_end
+
+
+def fit_path(log_dir, with_guard):
+    """The per-batch path of `fit`: the logs carrier, then the batch hook.
+
+    The callbacks are set up as `fit` sets them up (`on_train_begin`
+    installs the model's logs carrier, and the guard its train function in
+    it); then the carrier's inner function is a stand-in returning a logs
+    dict, so a call costs what the callbacks add to a batch, not a training
+    step. Returns `(call, after, close)`.
+    """
+    model = build_model()
+    monitor = MemoryMonitor(log_dir=log_dir)
+    callbacks = [monitor]
+    if with_guard:
+        callbacks.append(MemoryGuard(log_dir=log_dir))
+    params = {"epochs": 1, "steps": None, "verbose": 0}
+    model.make_train_function()
+    for callback in callbacks:
+        callback.set_model(model)
+        callback.set_params(params)
+    for callback in callbacks:
+        callback.on_train_begin()
+    for callback in callbacks:
+        callback.on_epoch_begin(0)
+    carrier = logs_carrier.current(model)
+    train_logs = {"loss": 0.5}
+    carrier.inner = lambda iterator: train_logs
+    batches = itertools.count()
+
+    def call():
+        logs = carrier(None)
+        batch = next(batches)
+        for callback in callbacks:
+            callback.on_train_batch_end(batch, logs)
+
+    def close():
+        for callback in callbacks:
+            callback.on_train_end()
+
+    return call, _writer_flush(monitor), close
+
+
+def timed_hooks_in_fit(x, y, log_dir):
+    """Microseconds per batch of each per-batch hook, in a real `fit`.
+
+    MemoryMonitor and MemoryGuard (both with `log_dir`) on the bench MLP:
+    each hook is wrapped with a timer before `fit` (the callbacks register
+    their bound methods at train begin, so the wrappers are what runs).
+    The guard's plan hook (`_plan_batch`, where the guard plans each batch
+    before it runs) is timed too where it exists. One warm-up fit, then the
+    medians over the batches of a second fit.
+    """
+    monitor = MemoryMonitor(log_dir=log_dir)
+    guard = MemoryGuard(log_dir=log_dir)
+    durations = {}
+
+    def wrap(owner, name, label):
+        inner = getattr(owner, name, None)
+        if inner is None:
+            return
+        times = durations.setdefault(label, [])
+        clock = time.perf_counter
+
+        def timed(*args, **kwargs):
+            start = clock()
+            result = inner(*args, **kwargs)
+            times.append(clock() - start)
+            return result
+
+        setattr(owner, name, timed)
+
+    model = build_model()
+    wrap(monitor, "_contribute", "MemoryMonitor: after the train function")
+    # Part of the line above: the allocator reading itself, right after a
+    # training step (cold caches), where the isolated figure is warm.
+    wrap(shared_reader(model).probe, "sample", "  of which AllocatorProbe.sample()")
+    wrap(monitor, "on_train_batch_end", "MemoryMonitor.on_train_batch_end")
+    wrap(guard, "_contribute", "MemoryGuard: after the train function")
+    wrap(guard, "on_train_batch_end", "MemoryGuard.on_train_batch_end")
+    wrap(guard, "_plan_batch", "MemoryGuard: plan before the batch")
+    for _ in range(2):
+        for times in durations.values():
+            times.clear()
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[monitor, guard], shuffle=False)
+    return {label: statistics.median(times) * 1e6 for label, times in durations.items()}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--skip-fits", action="store_true",
+                        help="only the per-call and per-hook figures (quicker)")
     parser.add_argument("--profile", action="store_true",
-                        help="cProfile MemoryMonitor.on_train_batch_end")
+                        help="cProfile fit's per-batch path (monitor + guard)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # NVML is absent without a GPU driver
 
@@ -177,79 +322,109 @@ def main():
         "MemoryMonitor(log_dir=None) (logs keys only)": lambda: [monitor_logs_only],
         'keras TensorBoard(update_freq="batch")': lambda: [keras_tb],
     }
-    times, cpu_times = time_fits(x, y, variants, args.rounds)
-    medians = {name: statistics.median(ts) for name, ts in times.items()}
-    cpu_medians = {name: statistics.median(ts) for name, ts in cpu_times.items()}
-    bare = medians["bare fit"]
-    noop_median = medians["no-op batch callback"]
-
     print(f"Python {platform.python_version()}, TensorFlow {tf.__version__}, "
           f"Keras {keras.__version__}; {os.cpu_count()} CPU cores ({cpu_model()}); "
           f"no GPU: {not tf.config.list_physical_devices('GPU')}")
-    print(f"MLP {FEATURES}-{UNITS}-{CLASSES} (Adam), batch {BATCH}, {STEPS} steps "
-          f"per fit, {args.rounds} rounds (after 1 warm-up fit per variant), "
-          "medians.\n")
-    # Rounds are interleaved, so the ratio within each round cancels the
-    # slow drifts of a shared machine: its median is the steadier estimate.
-    print("| Variant | median fit (s) | per step (ms) | min..max (s) "
-          "| vs bare | vs no-op | median of per-round ratios vs bare "
-          "| median CPU (s) | CPU vs bare |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, median in medians.items():
-        ts = times[name]
-        paired = statistics.median(
-            t / b for t, b in zip(ts, times["bare fit"])
-        )
-        cpu = cpu_medians[name]
-        print(f"| {name} | {median:.4f} | {median / STEPS * 1e3:.2f} "
-              f"| {min(ts):.3f}..{max(ts):.3f} | {median / bare:.3f}x "
-              f"| {median / noop_median:.3f}x | {paired:.3f}x "
-              f"| {cpu:.3f} | {cpu / cpu_medians['bare fit']:.3f}x |")
+    bare = None
+    if not args.skip_fits:
+        times, cpu_times = time_fits(x, y, variants, args.rounds)
+        medians = {name: statistics.median(ts) for name, ts in times.items()}
+        cpu_medians = {name: statistics.median(ts) for name, ts in cpu_times.items()}
+        bare = medians["bare fit"]
+        noop_median = medians["no-op batch callback"]
 
-    # Per-call costs.
+        print(f"MLP {FEATURES}-{UNITS}-{CLASSES} (Adam), batch {BATCH}, {STEPS} steps "
+              f"per fit, {args.rounds} rounds (after 1 warm-up fit per variant), "
+              "medians.\n")
+        # Rounds are interleaved, so the ratio within each round cancels the
+        # slow drifts of a shared machine: its median is the steadier estimate.
+        print("| Variant | median fit (s) | per step (ms) | min..max (s) "
+              "| vs bare | vs no-op | median of per-round ratios vs bare "
+              "| median CPU (s) | CPU vs bare |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for name, median in medians.items():
+            ts = times[name]
+            paired = statistics.median(
+                t / b for t, b in zip(ts, times["bare fit"])
+            )
+            cpu = cpu_medians[name]
+            print(f"| {name} | {median:.4f} | {median / STEPS * 1e3:.2f} "
+                  f"| {min(ts):.3f}..{max(ts):.3f} | {median / bare:.3f}x "
+                  f"| {median / noop_median:.3f}x | {paired:.3f}x "
+                  f"| {cpu:.3f} | {cpu / cpu_medians['bare fit']:.3f}x |")
+
+    # Per-call costs, interleaved.
     probe = AllocatorProbe()
     probe.reset()
     get_info = tf.config.experimental.get_memory_info
-    number, repeat = 20000, 9
-    sample_us = per_call_us(probe.sample, number, repeat)
-    info_us = per_call_us(lambda: get_info("CPU:0"), number, repeat)
-    reset_us = per_call_us(
-        lambda: tf.config.experimental.reset_memory_stats("CPU:0"), number, repeat
-    )
-    # A fresh model each: its reader has this one consumer, as in a fit.
-    _, _, batch_end_us = monitor_batch_end_us(
-        build_model(), os.path.join(tmp, "direct"), number // 4, repeat
-    )
-    _, _, batch_end_logs_only_us = monitor_batch_end_us(
-        build_model(), None, number // 4, repeat
-    )
-    step_ms = bare / STEPS * 1e3
+    reset_stats = tf.config.experimental.reset_memory_stats
+    setups = {
+        "direct, log_dir set": direct_batch_end(os.path.join(tmp, "direct")),
+        "direct, log_dir=None": direct_batch_end(None),
+        "fit path, monitor": fit_path(os.path.join(tmp, "path"), False),
+        "fit path, monitor + guard": fit_path(os.path.join(tmp, "path_guard"), True),
+    }
+    number, repeat = 5000, 9
+    calls = {
+        "info": (lambda: get_info("CPU:0"), None),
+        "reset": (lambda: reset_stats("CPU:0"), None),
+        "sample": (probe.sample, None),
+    }
+    calls.update({name: (call, after) for name, (call, after, _) in setups.items()})
+    for call, _ in calls.values():  # warm-up: writers, tags, first reads
+        for _ in range(100):
+            call()
+    wall_us, cpu_us = interleaved_per_call(calls, number, repeat)
+    for _, _, close in setups.values():
+        close()
+    step_ms = None if bare is None else bare / STEPS * 1e3
     print()
-    print("| Per call | median (us) | share of a bare step |")
-    print("|---|---:|---:|")
-    for label, us in (
-        ("`tf.config.experimental.get_memory_info('CPU:0')`", info_us),
-        ("`tf.config.experimental.reset_memory_stats('CPU:0')`", reset_us),
-        ("`AllocatorProbe.sample()` (read + reset, CPU:0)", sample_us),
-        ("`MemoryMonitor.on_train_batch_end` (log_dir set)", batch_end_us),
-        ("`MemoryMonitor.on_train_batch_end` (log_dir=None)", batch_end_logs_only_us),
+    print("| Per call | median (us) | CPU per batch, writer thread included (us) "
+          "| share of a bare step |")
+    print("|---|---:|---:|---:|")
+    for label, name in (
+        ("`tf.config.experimental.get_memory_info('CPU:0')`", "info"),
+        ("`tf.config.experimental.reset_memory_stats('CPU:0')`", "reset"),
+        ("`AllocatorProbe.sample()` (read + reset, CPU:0)", "sample"),
+        ("`MemoryMonitor.on_train_batch_end`, direct (log_dir set)",
+         "direct, log_dir set"),
+        ("`MemoryMonitor.on_train_batch_end`, direct (log_dir=None)",
+         "direct, log_dir=None"),
+        ("fit's per-batch path: MemoryMonitor (log_dir set)", "fit path, monitor"),
+        ("fit's per-batch path: MemoryMonitor + MemoryGuard (log_dir set)",
+         "fit path, monitor + guard"),
     ):
-        print(f"| {label} | {us:.2f} | {us / (step_ms * 1e3):.2%} |")
-    print(f"\nbare step: {step_ms:.2f} ms; event files under {tmp}")
+        us = wall_us[name]
+        share = "-" if step_ms is None else f"{us / (step_ms * 1e3):.2%}"
+        print(f"| {label} | {us:.2f} | {cpu_us[name]:.2f} | {share} |")
+    print(f"\nEach per-call figure: median of {repeat} interleaved timings of "
+          f"{number} calls.")
+    if step_ms is not None:
+        print(f"bare step: {step_ms:.2f} ms")
+    print(f"event files under {tmp}")
+
+    hooks = timed_hooks_in_fit(x, y, os.path.join(tmp, "hooks"))
+    print()
+    print("| In a real fit, MemoryMonitor + MemoryGuard (log_dir set) "
+          "| median per batch (us) |")
+    print("|---|---:|")
+    for label, us in hooks.items():
+        print(f"| {label} | {us:.2f} |")
+    total = sum(us for label, us in hooks.items() if not label.startswith(" "))
+    print(f"| sum | {total:.2f} |")
 
     if args.profile:
-        monitor, call, _ = monitor_batch_end_us(
-            build_model(), os.path.join(tmp, "profile"), 1, 1
-        )
-        monitor.on_train_begin()
+        call, _, close = fit_path(os.path.join(tmp, "profile"), True)
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(20000):
             call()
         profiler.disable()
+        close()
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
-        print("\ncProfile of 20000 on_train_batch_end calls (log_dir set), by tottime:")
+        print("\ncProfile of 20000 batches of fit's per-batch path (monitor + "
+              "guard, log_dir set), by tottime:")
         print(out.getvalue())
     return 0
 
