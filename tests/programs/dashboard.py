@@ -221,8 +221,12 @@ def tensorboard(log_dir, timeout=120):
             process.wait(timeout=10)
 
 
-def read_cards(url, width, height, expected_cards, timeout=90):
+def read_cards(url, width, height, expected_cards, timeout=90, settings=None):
     """Loads the Custom Scalars page; returns `(cards, png)`.
+
+    `settings` (a dict such as `{"_smoothingWeight": 0}`) go where the
+    dashboard reads its own: the URL fragment and the page's local storage
+    (the page is loaded again after they are stored).
 
     Waits until `expected_cards` chart cards each show "Matches (N)" and
     drew a line (or until `timeout`), then takes a screenshot.
@@ -232,7 +236,14 @@ def read_cards(url, width, height, expected_cards, timeout=90):
         raise FileNotFoundError("no chromium on PATH")
     browser = DevTools(binary, width=width, height=height)
     try:
-        browser.open(url + "/#custom_scalars")
+        fragment = "".join(f"&{key}={value}" for key, value in (settings or {}).items())
+        browser.open(url + "/#custom_scalars" + fragment)
+        if settings:
+            for key, value in settings.items():
+                browser.evaluate(
+                    f"localStorage.setItem({json.dumps(key)}, {json.dumps(str(value))})"
+                )
+            browser.call("Page.reload")
         deadline = time.monotonic() + timeout
         cards = []
         while time.monotonic() < deadline:
@@ -248,6 +259,11 @@ def read_cards(url, width, height, expected_cards, timeout=90):
         browser.close()
 
 
+# For a picture of a short run: every point as it was, none left out of
+# the scale (TensorBoard's defaults smooth by 0.6 and ignore outliers).
+PICTURE_SETTINGS = {"_smoothingWeight": 0, "_ignoreYOutliers": "false"}
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     log_dir, out = argv[0], argv[1]
@@ -255,7 +271,7 @@ def main(argv=None):
     with tensorboard(log_dir) as url:
         layout = json.loads(http_get(url + "/data/plugin/custom_scalars/layout"))
         charts = sum(len(c["chart"]) for c in layout["category"])
-        cards, png = read_cards(url, width, height, charts)
+        cards, png = read_cards(url, width, height, charts, settings=PICTURE_SETTINGS)
     with open(out, "wb") as f:
         f.write(png)
     print(f"{out}: {len(cards)} charts")
