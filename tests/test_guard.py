@@ -15,6 +15,7 @@ from keras_memguard.callbacks.sampling import shared_reader
 from keras_memguard.testing import run_with_memory_cap
 from keras_memguard.training.replay import ReplayTrainFunction
 import programs
+from programs.common import design_cnn
 from tensorboard.backend.event_processing import event_accumulator
 
 MIB = 1024 * 1024
@@ -90,17 +91,7 @@ def test_replay_is_logged_with_what_changed(capped_run):
 
 @pytest.mark.slow
 def test_replayed_training_matches_unconstrained_training(capped_run):
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((64, 64, 3)),
-            keras.layers.Conv2D(64, 3, activation="relu"),
-            keras.layers.Conv2D(64, 3, activation="relu"),
-            keras.layers.GlobalAveragePooling2D(),
-            keras.layers.Dense(10),
-        ]
-    )
-    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = design_cnn()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(320, 64, 64, 3)).astype("float32")
     y = rng.integers(0, 10, size=(320,))

@@ -12,24 +12,14 @@ import tensorflow as tf
 
 import keras_memguard
 from keras_memguard.testing import emit_result
-from programs.common import SampleCount, collect_package_messages
+from programs.common import SampleCount, collect_package_messages, design_cnn
 
 BATCH = 272
 STEPS = 4
 
 
 def make_model():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((64, 64, 3)),
-        keras.layers.Conv2D(64, 3, activation="relu"),
-        keras.layers.Conv2D(64, 3, activation="relu"),
-        keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(10),
-    ])
-    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=[SampleCount()])
-    return model
+    return design_cnn(metrics=[SampleCount()])
 
 
 def dataset():

@@ -16,21 +16,14 @@ import tensorflow as tf
 
 import keras_memguard
 from keras_memguard.testing import emit_result
+from programs.common import design_cnn
 
 BATCHES = (64, 64, 256, 64)
 
 
 def main():
     log_dir = sys.argv[1]
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((64, 64, 3)),
-        keras.layers.Conv2D(64, 3, activation="relu"),
-        keras.layers.Conv2D(64, 3, activation="relu"),
-        keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(10),
-    ])
-    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = design_cnn()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(max(BATCHES), 64, 64, 3)).astype("float32")
     y = rng.integers(0, 10, size=(max(BATCHES),))
