@@ -31,6 +31,9 @@ MODES = ("accumulate", "shrink")
 MICRO_BATCHES_LOG_KEY = "micro_batches"
 STATE_FILE = "memguard_state.json"
 _MIB = 1024 * 1024
+# The scalars written per batch, in `_write_scalars`' order; the threshold
+# draws its line in the dashboard's usage chart.
+_SCALAR_TAGS = (tb.MICRO_BATCHES, tb.MICRO_BATCH_SIZE, tb.OOM_RECOVERIES, tb.THRESHOLD)
 
 
 class MemoryGuard(keras.callbacks.Callback):
@@ -428,6 +431,8 @@ class MemoryGuard(keras.callbacks.Callback):
             logs[MICRO_BATCHES_LOG_KEY] = self.state.micro_batches
         self._save_state()
         self._save_plan()
+        if self._writer is not None:
+            self._writer.flush()
 
     def on_test_begin(self, logs=None):
         # Only `fit`'s validation (the train function is installed then);
@@ -665,12 +670,14 @@ class MemoryGuard(keras.callbacks.Callback):
 
     def _write_scalars(self):
         k = self.state.micro_batches
-        self._writer.write(
+        self._writer.write_values(
             self._step,
+            _SCALAR_TAGS,
             (
-                (tb.MICRO_BATCHES, k),
-                (tb.MICRO_BATCH_SIZE, self._micro_batch_size(k)),
-                (tb.OOM_RECOVERIES, self.state.oom_count),
+                k,
+                self._micro_batch_size(k),
+                self.state.oom_count,
+                self.config.threshold,
             ),
         )
 
