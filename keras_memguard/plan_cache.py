@@ -103,7 +103,6 @@ def load(key, fields):
     except ValueError as error:
         _warn_ignored(path, str(error))
         return None
-    logger.info("plan cache: read %s", path)
     return state
 
 

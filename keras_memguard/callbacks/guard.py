@@ -108,7 +108,10 @@ class MemoryGuard(keras.callbacks.Callback):
             before `k` halves. Defaults to `20`.
         micro_batches: The number of micro-batches to start with, when the
             guard has no saved state (from an earlier `fit` or from
-            `backup_dir`). Defaults to `1`.
+            `backup_dir`): with `plan=True`, the first batch's split when
+            nothing is known (`1` means the default cautious split of 8);
+            with `plan=False`, the count until the policy changes it.
+            Defaults to `1`.
         memory_limit: Device memory limit in bytes (an int for every device,
             or a dict from TensorFlow device string to bytes). `None`
             resolves it as `AllocatorProbe` documents. Defaults to `None`.
