@@ -250,10 +250,13 @@ def _fit(state):
         fixed = largest_peak - slope * largest_work
         if slope > 0 and (base is None or fixed >= base):
             return fixed, slope
-    # One reading, or readings that do not fit the model: every byte above
-    # the memory in use before training grows with the work.
-    fixed = min(base or 0.0, largest_peak)
-    slope = (largest_peak - fixed) / largest_work
+    # One reading, or readings that do not fit the model: the slope is
+    # bounded as if every byte above the memory in use before training grew
+    # with the work, and the line of that slope is laid on or above every
+    # reading (a smaller micro-batch that peaked as high shows memory that
+    # does not grow).
+    slope = (largest_peak - min(base or 0.0, largest_peak)) / largest_work
+    fixed = max(peak - slope * work for work, peak in readings)
     return fixed, slope
 
 
