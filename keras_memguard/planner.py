@@ -396,26 +396,38 @@ def observe(config, state, work, limit_bytes, peak_bytes, current_bytes=None):
             slots), or `None`. The lowest seen is `base_bytes`.
 
     Returns:
-        The new `PlannerState`.
+        The new `PlannerState`; `state` itself when the reading teaches
+        nothing new (the same peak at a work already recorded, no lower
+        `current_bytes`, the same limit), so a caller can tell by identity
+        that nothing changed (and keep what it derived from `state`).
 
     Example:
 
     >>> state = observe(make_planner_config(), init_planner_state(), 4, 100, 50)
     >>> state.readings
     ((4.0, 50.0),)
+    >>> observe(make_planner_config(), state, 4, 100, 50) is state
+    True
     """
     del config  # same signature as the other steps
     base = state.base_bytes
     if current_bytes is not None:
         base = float(current_bytes) if base is None else min(base, current_bytes)
+    reading = (float(work), float(peak_bytes))
+    if (
+        base == state.base_bytes
+        and float(limit_bytes) == state.limit_bytes
+        and reading in state.readings
+    ):
+        return state
     return state._replace(
-        readings=_record(state.readings, float(work), float(peak_bytes)),
+        readings=_record(state.readings, *reading),
         base_bytes=base,
         limit_bytes=float(limit_bytes),
     )
 
 
-def observe_out_of_memory(config, state, work, limit_bytes):
+def observe_out_of_memory(config, state, work, limit_bytes, demand_bytes=None):
     """Records that a micro-batch of `work` ran out of memory.
 
     Args:
@@ -423,6 +435,10 @@ def observe_out_of_memory(config, state, work, limit_bytes):
         state: The current `PlannerState`.
         work: The failed micro-batch's work.
         limit_bytes: The device limit in bytes.
+        demand_bytes: Memory in use when the allocation failed plus its
+            size, when the allocator said (`None` otherwise). Below the
+            limit, the free memory was not in one piece: the usable
+            capacity is at most this.
 
     Returns:
         The new `PlannerState`: `work` and above are never planned again,
@@ -440,6 +456,8 @@ def observe_out_of_memory(config, state, work, limit_bytes):
     capacity = state.capacity_usage
     if predicted is not None and predicted < limit_bytes:
         capacity = min(capacity, FAILURE_MARGIN * predicted / limit_bytes)
+    if demand_bytes is not None and 0 < demand_bytes < limit_bytes:
+        capacity = min(capacity, FAILURE_MARGIN * demand_bytes / limit_bytes)
     # Readings at or above a failed work no longer hold.
     return state._replace(
         readings=tuple((w, p) for w, p in state.readings if w < work),

@@ -116,3 +116,23 @@ def test_one_sample_over_the_target_plans_single_samples():
 def test_bad_settings_are_refused_with_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         planner.make_planner_config(**kwargs)
+
+
+def test_the_memory_an_out_of_memory_error_asked_for_bounds_the_capacity():
+    config = planner.make_planner_config()
+    state = planner.init_planner_state()
+    for work in (50.0, 100.0):
+        state = planner.observe(config, state, work, LIMIT, linear_peak(work))
+    predicted = planner.predict_peak(state, 150.0)
+    # The allocator said: in use plus the failed allocation came to less
+    # than the model predicts there (the free memory was in pieces).
+    demand = predicted - 100 * MIB
+    lowered = planner.observe_out_of_memory(config, state, 150.0, LIMIT, demand_bytes=demand)
+    assert lowered.capacity_usage == pytest.approx(planner.FAILURE_MARGIN * demand / LIMIT)
+    plain = planner.observe_out_of_memory(config, state, 150.0, LIMIT)
+    assert plain.capacity_usage == pytest.approx(planner.FAILURE_MARGIN * predicted / LIMIT)
+    # Past the limit, the demand says nothing about fragmentation.
+    over = planner.observe_out_of_memory(config, state, 150.0, LIMIT, demand_bytes=2 * LIMIT)
+    assert over.capacity_usage == plain.capacity_usage
+    smaller = planner.plan(config, lowered, 1024, 1.0, LIMIT).micro_batches
+    assert smaller > planner.plan(config, plain, 1024, 1.0, LIMIT).micro_batches

@@ -435,9 +435,12 @@ def test_python_dash_m_report(known_run, tmp_path):
 @pytest.mark.slow
 def test_recoveries_and_their_time_under_a_real_cap(tmp_path):
     log_dir = tmp_path / "logs"
-    result = run_with_memory_cap(
+    run = run_with_memory_cap(
         programs.source("report_under_cap", log_dir), memory_limit_mib=600, timeout=500
-    ).result
+    )
+    result = run.result
+    # One WARNING line per recovery says why.
+    assert run.stderr.count("out of memory at step 3 (micro-batch") == result["oom_recoveries"]
     (run,) = events.load_runs(log_dir)
     summary = summary_lib.summarize(run)
     ks, counts = zip(*result["per_step"])
@@ -465,3 +468,23 @@ def test_recoveries_and_their_time_under_a_real_cap(tmp_path):
     output = tmp_path / "run.png"
     keras_memguard.report.make_report(log_dir, output=output)
     assert png_size(output.read_bytes()) == (1200, 600)
+    # Each recovery is explained: the failed allocation, the allocator's
+    # figures, and the live tensors named by layer. The batch of 256 fails
+    # in the second convolution, holding the first one's output: the
+    # model's largest tensor (256 x 62 x 62 x 64 floats).
+    first = summary.oom_reports[0]
+    assert first["file"] == "oom-3.json" and first["step"] == 3
+    assert first["source"] == "bfc_memory_dump"
+    assert first["micro_batches"] == 1 and first["replayed_with"] >= 2
+    assert first["failed_layer"] == "conv2d_1"
+    assert first["failed_allocation_bytes"] == 4 * np.prod(first["failed_shape"])
+    assert first["in_use_bytes"] + first["largest_free_chunk_bytes"] <= 600 * MIB
+    assert first["largest_free_chunk_bytes"] < first["failed_allocation_bytes"]
+    largest = first["largest_tensors"][0]
+    assert (largest["layer"], largest["kind"]) == ("conv2d", "output")
+    assert largest["shape"] == [256, 62, 62, 64]
+    assert largest["bytes"] == 256 * 62 * 62 * 64 * 4
+    assert len(summary.oom_reports) == summary.recovery_count
+    assert "failed to allocate 225.0 MiB in layer 'conv2d_1'" in text
+    assert "largest tensors: 240.2 MiB output of conv2d (256, 62, 62, 64)" in text
+    assert "largest live tensor 240 MiB, output of 'conv2d'" in first["explanation"]

@@ -6,6 +6,7 @@ import os
 
 import keras
 
+from keras_memguard import oom_explanation
 from keras_memguard import plan_cache
 from keras_memguard import planner
 from keras_memguard import policy
@@ -69,6 +70,15 @@ class MemoryGuard(keras.callbacks.Callback):
     is skipped and nothing is applied twice. When a micro-batch of one sample
     does not fit, `MicroBatchTooLargeError` is raised. Every other exception
     passes through untouched.
+
+    Each out-of-memory error is explained in one WARNING line and, with
+    `log_dir`, in `<log_dir>/memguard/oom-<step>.json`: the allocation that
+    failed and its layer, the memory in use, the largest free block and the
+    fragmentation (from the `MemoryDump` TensorFlow's BFC allocator writes
+    when `TF_BFC_MEMORY_DUMP` is set; the guard sets it to a temporary
+    directory during `fit` unless it is set already), and the largest live
+    tensors named by the layer whose tensor has their size. The last one is
+    `last_oom_explanation` (a `keras_memguard.oom_explanation.OutOfMemoryExplanation`).
 
     Works on any compiled Keras model (TensorFlow backend): plain Sequential
     and functional models need no change, and models that mix in
@@ -220,6 +230,8 @@ class MemoryGuard(keras.callbacks.Callback):
         self._multi_worker = False
         self._step = 0
         self._last_batch = -1
+        self._dumps = None
+        self.last_oom_explanation = None
 
     @property
     def micro_batches(self):
@@ -280,12 +292,17 @@ class MemoryGuard(keras.callbacks.Callback):
         self._carrier.inner = self._function
         self._contributed = False
         self._apply(self.state.micro_batches)
+        # The allocator's dump at an out-of-memory error explains it.
+        self._dumps = oom_explanation.MemoryDumpCapture()
         self._reader.reset()
         if self._writer is not None:
             self._writer.acquire(self)
 
     def on_train_end(self, logs=None):
         self._save_plan()
+        if self._dumps is not None:
+            self._dumps.close()
+            self._dumps = None
         carrier = self._carrier
         if carrier is not None and carrier.inner is self._function:
             carrier.inner = self._previous_inner
@@ -468,7 +485,9 @@ class MemoryGuard(keras.callbacks.Callback):
             self.state._replace(micro_batches=micro_batches),
             replica_batch_size or None,
         )
+        explanation = self._explain(error, replica_batch_size, micro_batches)
         if decision.cannot_split:
+            self._report(explanation)
             raise self._cannot_split_error(
                 decision,
                 batch_size,
@@ -483,10 +502,11 @@ class MemoryGuard(keras.callbacks.Callback):
         new_k = decision.micro_batches
         if self._planning and self.planner_state is not None:
             new_k = self._replan_after_out_of_memory(
-                replica_batch_size, micro_batches, new_k
+                replica_batch_size, micro_batches, new_k, explanation
             )
             state = state._replace(micro_batches=new_k)
         self.state = state
+        self._report(explanation._replace(replayed_with=new_k))
         logger.info(
             "out of memory at %d micro-batch%s of a batch of %d: replaying it "
             "with %d micro-batches (micro-batch %s)",
@@ -501,14 +521,18 @@ class MemoryGuard(keras.callbacks.Callback):
         self._save_plan()
         return new_k
 
-    def _replan_after_out_of_memory(self, batch_size, failed_k, doubled_k):
+    def _replan_after_out_of_memory(self, batch_size, failed_k, doubled_k, explanation):
         """The planner learns the failure and plans the replay."""
         function = self._function
         work = function.last_work
         if work is None or not batch_size:
             return doubled_k
         self.planner_state = planner.observe_out_of_memory(
-            self.planner_config, self.planner_state, work, self._plan_limit
+            self.planner_config,
+            self.planner_state,
+            work,
+            self._plan_limit,
+            demand_bytes=explanation.demand_bytes,
         )
         replanned = planner.plan(
             self.planner_config,
@@ -521,6 +545,36 @@ class MemoryGuard(keras.callbacks.Callback):
         new_k = max(replanned, failed_k + 1)
         cap = self.config.max_micro_batches
         return min(new_k, batch_size, cap or new_k)
+
+    def _explain(self, error, batch_size, micro_batches):
+        """Why the batch ran out of memory, from the allocator's dump."""
+        dump = self._dumps.take_latest() if self._dumps is not None else None
+        limits = [limit for limit in self._limits or () if limit]
+        return oom_explanation.explain(
+            getattr(error, "message", None) or str(error),
+            dump,
+            self.model,
+            step=self._step + 1,
+            batch_size=batch_size,
+            micro_batches=micro_batches,
+            limit_bytes=min(limits) if limits else None,
+        )
+
+    def _report(self, explanation):
+        """One WARNING line, and `<log_dir>/memguard/oom-<step>.json`."""
+        self.last_oom_explanation = explanation
+        text = oom_explanation.describe(explanation)
+        if explanation.replayed_with is not None:
+            text += f"; replaying with {explanation.replayed_with} micro-batches"
+        if self.log_dir is not None:
+            try:
+                path = oom_explanation.write(
+                    explanation, os.path.join(self.log_dir, tb.RUN_NAME), text
+                )
+                text += f" ({path})"
+            except OSError as write_error:
+                text += f" (not written: {write_error})"
+        logger.warning("%s", text)
 
     def _on_eval_out_of_memory(self, batch_size, micro_batches, error):
         """Chooses the slice count to go on evaluating with, or raises.

@@ -281,7 +281,7 @@ def load_oom_reports(run_dir):
         run_dir: A run directory (`<log_dir>/memguard`).
 
     Returns:
-        A tuple of dicts in step order (then file name), each the file's
+        A tuple of dicts in step order (then failure order), each the file's
         JSON object with `"file"` added; a file that is not a JSON object
         gives `{"file": ..., "error": "<why>"}`.
     """
@@ -299,9 +299,12 @@ def load_oom_reports(run_dir):
 
     def order(report):
         step = report.get("step")
+        # `oom-<step>-<n>.json`: the n-th failure of the same batch.
+        attempt = re.fullmatch(r"oom-\d+-(\d+)\.json", report["file"])
         return (
             0 if isinstance(step, (int, float)) and not isinstance(step, bool) else 1,
             step if isinstance(step, (int, float)) else 0,
+            int(attempt.group(1)) if attempt else 1,
             report["file"],
         )
 

@@ -239,6 +239,10 @@ def format_oom_report(report):
     ):
         text = _bytes(report.get(key))
         if text is not None:
+            if key == "failed_allocation_bytes" and report.get("failed_layer"):
+                text += f" in layer '{report['failed_layer']}'"
+                if report.get("backward"):
+                    text += " (backward pass)"
             parts.append(f"{label} {text}")
     fragmentation = report.get("fragmentation")
     if isinstance(fragmentation, (int, float)) and not isinstance(fragmentation, bool):
@@ -254,7 +258,8 @@ def format_oom_report(report):
             layer = tensor.get("layer")
             shape = tensor.get("shape")
             if layer:
-                text += f" {layer}"
+                kind = tensor.get("kind")
+                text += f" {kind} of {layer}" if kind and kind != layer else f" {layer}"
             if shape is not None:
                 text += f" {tuple(shape) if isinstance(shape, list) else shape}"
             shown.append(text)

@@ -53,6 +53,7 @@ PRIVATE_NAMES = (
     ("tensorflow.TensorSpec", "_unbatch"),
     ("tensorflow.TensorSpec", "_batch"),
     ("keras.Model", "_autoconvert_optionals"),
+    ("tensorflow.core.protobuf.bfc_memory_map_pb2", "MemoryDump"),
 )
 OPTIONAL_NAMES = (("keras.Model", "_autoconvert_optionals"),)
 
@@ -210,6 +211,20 @@ def tensorflow_initialized():
         return context()._context_handle is not None
     except (AttributeError, UnsupportedTrainingSetupError):
         return None
+
+
+def parse_bfc_memory_dump(data):
+    """The BFC allocator's `MemoryDump` protobuf parsed from `data` (bytes).
+
+    Raises:
+        ValueError: If `data` is not a `MemoryDump`.
+    """
+    dump = _import_attribute("tensorflow.core.protobuf.bfc_memory_map_pb2", "MemoryDump")()
+    try:
+        dump.ParseFromString(data)
+    except Exception as error:  # protobuf's DecodeError
+        raise ValueError(f"not a BFC MemoryDump: {error}") from None
+    return dump
 
 
 def set_cluster_value(key, value):
