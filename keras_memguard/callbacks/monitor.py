@@ -1,6 +1,13 @@
 """MemoryMonitor: log device memory every batch to TensorBoard and the logs."""
 
+import logging
+import math
+import numbers
+import os
+import time
+
 import keras
+import tensorflow as tf
 
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks.sampling import resolve_limits
@@ -8,6 +15,8 @@ from keras_memguard.callbacks.sampling import shared_reader
 from keras_memguard.probes.tf_allocator import AllocatorProbe
 from keras_memguard.probes.nvml import NvmlProbe
 from keras_memguard.sinks import tensorboard as tb
+
+logger = logging.getLogger("keras_memguard")
 
 PEAK_LOG_KEY = "memory_peak_mib"
 _MIB = float(1024 * 1024)
@@ -63,6 +72,38 @@ class MemoryMonitor(keras.callbacks.Callback):
         nvml: Whether to read NVML on NVIDIA GPUs. When NVML cannot start
             although TensorFlow sees a GPU, this is skipped with one warning;
             on a machine without a GPU, silently. Defaults to `True`.
+        profile_spikes: Whether to trace the batch after a memory spike with
+            the TensorFlow profiler. A spike is a sample whose peak (the
+            highest over devices) is more than `spike_fraction` above the
+            previous sample's in the same `fit`. The trace covers the next
+            call of the train function (one batch; one execution with
+            `steps_per_execution > 1`), memory events included, and is
+            written to `<log_dir>/plugins/profile/<timestamp>/<host>.xplane.pb`,
+            where TensorBoard's Profile tab reads it (its Memory Profile and
+            Trace Viewer tools). One INFO line is logged when a trace starts
+            and one when it is written; `profiles` lists the files. When
+            another profiler session is running (`keras.callbacks.TensorBoard(
+            profile_batch=...)`, `tf.profiler.experimental.start`), the spike
+            is not traced and one INFO line per `fit` says so. If the traced
+            batch raises (an out-of-memory error), the trace is still
+            written; the profiler is never left running. The Memory Profile
+            needs allocator events, which TensorFlow's BFC allocator records:
+            the GPU default, and on CPU only with
+            `TF_CPU_ALLOCATOR_USE_BFC=true`. Needs `log_dir`. Defaults to
+            `False`.
+        spike_fraction: How far above the previous sample's peak a peak must
+            be to count as a spike, as a fraction of the previous peak:
+            `0.25` traces after a peak more than 25% higher. Defaults to
+            `0.25`.
+        max_profiles: The most traces written per `fit`, so that a spiky run
+            does not fill the disk (each trace is typically a few hundred
+            KiB to a few MiB). Later spikes are only compared. Defaults to
+            `1`.
+
+    Raises:
+        ValueError: If an argument is not valid (the message names it and
+            the value received), or `profile_spikes=True` comes without a
+            `log_dir`.
 
     Example:
 
@@ -71,9 +112,29 @@ class MemoryMonitor(keras.callbacks.Callback):
     model.fit(x, y, epochs=2, callbacks=[monitor])
     # tensorboard --logdir logs
     ```
+
+    Tracing the batch after the first jump of more than 50% in the peak:
+
+    ```python
+    monitor = keras_memguard.MemoryMonitor(
+        log_dir="logs", profile_spikes=True, spike_fraction=0.5
+    )
+    model.fit(dataset, epochs=2, callbacks=[monitor])
+    print(monitor.profiles)  # ['logs/plugins/profile/2025_.../host.xplane.pb']
+    # tensorboard --logdir logs: Profile tab, tool "memory_profile"
+    ```
     """
 
-    def __init__(self, log_dir=None, update_freq="batch", memory_limit=None, nvml=True):
+    def __init__(
+        self,
+        log_dir=None,
+        update_freq="batch",
+        memory_limit=None,
+        nvml=True,
+        profile_spikes=False,
+        spike_fraction=0.25,
+        max_profiles=1,
+    ):
         super().__init__()
         if update_freq not in ("batch", "epoch") and (
             isinstance(update_freq, bool)
@@ -86,10 +147,50 @@ class MemoryMonitor(keras.callbacks.Callback):
             )
         if not isinstance(nvml, bool):
             raise ValueError(f"`nvml` must be True or False. Received: nvml={nvml!r}")
+        if not isinstance(profile_spikes, bool):
+            raise ValueError(
+                "`profile_spikes` must be True or False. "
+                f"Received: profile_spikes={profile_spikes!r}"
+            )
+        if (
+            isinstance(spike_fraction, bool)
+            or not isinstance(spike_fraction, numbers.Real)
+            or not math.isfinite(spike_fraction)
+            or spike_fraction <= 0
+        ):
+            raise ValueError(
+                "`spike_fraction` must be a finite number greater than 0 "
+                "(0.25: a peak more than 25% above the previous one). "
+                f"Received: spike_fraction={spike_fraction!r}"
+            )
+        if (
+            isinstance(max_profiles, bool)
+            or not isinstance(max_profiles, int)
+            or max_profiles < 1
+        ):
+            raise ValueError(
+                "`max_profiles` must be a positive integer. "
+                f"Received: max_profiles={max_profiles!r}"
+            )
+        if profile_spikes and log_dir is None:
+            raise ValueError(
+                "`profile_spikes=True` needs a `log_dir`: the traces are "
+                "written to `<log_dir>/plugins/profile`, where TensorBoard's "
+                "Profile tab reads them. Received: log_dir=None"
+            )
         self.log_dir = log_dir
         self.update_freq = update_freq
         self.memory_limit = memory_limit
         self.nvml = nvml
+        self.profile_spikes = profile_spikes
+        self.spike_fraction = spike_fraction
+        self.max_profiles = max_profiles
+        # None when off: the per-batch paths check only this attribute.
+        self._spikes = (
+            _SpikeProfiler(log_dir, spike_fraction, max_profiles)
+            if profile_spikes
+            else None
+        )
         self._every = 1 if update_freq == "batch" else update_freq
         self._writer = tb.writer_for(log_dir) if log_dir is not None else None
         self._nvml_probe = NvmlProbe() if nvml else None
@@ -125,6 +226,15 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._reader = shared_reader(model)
         self._reader.register(self, self.memory_limit)
 
+    @property
+    def profiles(self):
+        """The trace files written with `profile_spikes`, oldest first.
+
+        Paths of `xplane.pb` files under `<log_dir>/plugins/profile`, over
+        every `fit` this monitor was used in.
+        """
+        return list(self._spikes.paths) if self._spikes is not None else []
+
     def on_train_begin(self, logs=None):
         self._in_fit = True
         probe = self._reader.probe
@@ -137,6 +247,8 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._reader.reset()
         if self._writer is not None:
             self._writer.acquire(self)
+        if self._spikes is not None:
+            self._spikes.begin_fit()
         self._contributed = None
         self._carrier = logs_carrier.attach(
             self.model, self, self._contribute, self.params
@@ -145,6 +257,8 @@ class MemoryMonitor(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._in_fit = False
         self._contributed = None
+        if self._spikes is not None:
+            self._spikes.end_fit()
         logs_carrier.detach(self.model, self)
         if self._writer is not None:
             self._writer.release(self)
@@ -171,6 +285,11 @@ class MemoryMonitor(keras.callbacks.Callback):
             self._carrier.batch_key,
         )
         self._contributed = logs
+
+    def on_train_batch_begin(self, batch, logs=None):
+        # Replaces the base class's no-op chain: one attribute check.
+        if self._spikes is not None:
+            self._spikes.before_batch(self.model)
 
     def on_train_batch_end(self, batch, logs=None):
         contributed = self._contributed
@@ -300,6 +419,8 @@ class MemoryMonitor(keras.callbacks.Callback):
             self._writer.write_values(self._step, self._batch_tags, values)
             if self._nvml_on:
                 self._writer.write(self._step, self._nvml_scalars())
+        if self._spikes is not None:
+            self._spikes.after_sample(peak_mib, self._step)
 
     def _nvml_scalars(self):
         scalars = []
@@ -311,6 +432,190 @@ class MemoryMonitor(keras.callbacks.Callback):
                 (tags["gpu_percent"], reading.gpu_utilization_percent),
             )
         return scalars
+
+
+class _SpikeProfiler:
+    """Traces the train function call after a memory spike, for `MemoryMonitor`.
+
+    `after_sample` compares each sample's peak with the previous one and arms
+    a trace; `before_batch` (at the next `on_train_batch_begin`) puts a
+    one-shot wrapper in `model.train_function` that runs the profiler around
+    exactly that call, stopping it in a `finally`, so an error in the batch
+    (an out-of-memory error) still writes the trace and never leaves the
+    profiler running. Starting there, not at the spike's batch end, keeps
+    validation and epoch-end work out of a trace armed at an epoch's last
+    batch.
+
+    Args:
+        log_dir: The monitor's `log_dir`.
+        fraction: `spike_fraction`.
+        max_profiles: The most traces per `fit`.
+    """
+
+    def __init__(self, log_dir, fraction, max_profiles):
+        self.log_dir = os.fspath(log_dir)
+        self.plugin_dir = os.path.join(self.log_dir, "plugins", "profile")
+        self.factor = 1.0 + fraction
+        self.max_profiles = max_profiles
+        # Every file written, over all fits.
+        self.paths = []
+        # Per fit: the previous sample's peak (MiB), the spike to trace
+        # after as `(step, previous_mib, peak_mib)`, the traces left.
+        self._previous = None
+        self._spike = None
+        self._left = 0
+        self._busy_logged = False
+        # `(model, wrapper, original)` while a wrapper waits for its call.
+        self._installed = None
+        # The spike whose trace is running, and the files there before it.
+        self._running = None
+        self._before = ()
+        # time.time() after the latest trace was written: TensorFlow names
+        # a trace's run directory after the second it is written in, so a
+        # trace written in the same second would replace it (`_start`
+        # waits for the next second).
+        self._last_written = None
+
+    def begin_fit(self):
+        self._uninstall()
+        self._previous = None
+        self._spike = None
+        self._left = self.max_profiles
+        self._busy_logged = False
+
+    def end_fit(self):
+        self._uninstall()
+        self._spike = None
+        if self._running is not None:  # Not reached: `_trace` always stops.
+            self._stop(self._running, save=True)
+
+    def after_sample(self, peak_mib, step):
+        previous = self._previous
+        self._previous = peak_mib
+        if (
+            peak_mib is not None
+            and previous  # None or 0: no relative jump to measure
+            and peak_mib > previous * self.factor
+            and self._left > 0
+            and self._spike is None
+        ):
+            self._spike = (step, previous, peak_mib)
+
+    def before_batch(self, model):
+        spike = self._spike
+        if spike is None or self._installed is not None:
+            return
+        self._spike = None
+        original = model.train_function
+
+        def traced(iterator):
+            installed = self._installed
+            if installed is None or installed[1] is not traced:
+                # Left behind by a `fit` that raised before this call.
+                return original(iterator)
+            self._uninstall()
+            return self._trace(original, iterator, spike)
+
+        model.train_function = traced
+        self._installed = (model, traced, original)
+
+    def _uninstall(self):
+        installed = self._installed
+        if installed is None:
+            return
+        self._installed = None
+        model, traced, original = installed
+        if getattr(model, "train_function", None) is traced:
+            model.train_function = original
+
+    def _trace(self, function, iterator, spike):
+        if not self._start(spike):
+            return function(iterator)
+        try:
+            logs = function(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            # The end of the data, not a batch: trace the next one instead.
+            self._stop(spike, save=False)
+            self._left += 1
+            self._spike = spike
+            raise
+        except BaseException:
+            self._stop(spike, save=True)
+            raise
+        self._stop(spike, save=True)
+        return logs
+
+    def _start(self, spike):
+        last = self._last_written
+        if last is not None and int(time.time()) == int(last):
+            # Rare (two traces within a second; at most `max_profiles` per
+            # fit): wait for the next second rather than overwrite.
+            time.sleep(max(0.0, int(last) + 1 - time.time()))
+        options = tf.profiler.experimental.ProfilerOptions(
+            # Level 2 records the allocators' MemoryAllocation and
+            # MemoryDeallocation events, which the Memory Profile tool reads.
+            host_tracer_level=2,
+            python_tracer_level=0,
+            device_tracer_level=1,
+        )
+        try:
+            tf.profiler.experimental.start(self.log_dir, options=options)
+        except tf.errors.AlreadyExistsError:
+            if not self._busy_logged:
+                self._busy_logged = True
+                logger.info(
+                    "memory spike at step %d not traced: another TensorFlow "
+                    "profiler session is running (keras.callbacks.TensorBoard"
+                    "(profile_batch=...) or tf.profiler); later spikes in "
+                    "this fit are traced when it is free, without this "
+                    "message",
+                    spike[0],
+                )
+            return False
+        self._running = spike
+        self._left -= 1
+        step, previous, peak = spike
+        self._before = set(self._written_files())
+        logger.info(
+            "memory peak rose from %.1f MiB to %.1f MiB (+%.0f%%) at step %d: "
+            "tracing the next batch with the TensorFlow profiler into %s",
+            previous,
+            peak,
+            100.0 * (peak / previous - 1.0),
+            step,
+            self.plugin_dir,
+        )
+        return True
+
+    def _stop(self, spike, save):
+        self._running = None
+        try:
+            tf.profiler.experimental.stop(save=save)
+        except tf.errors.OpError as error:
+            # A trace that cannot be written must not end the training.
+            logger.warning("the memory spike trace was not written: %s", error)
+            return
+        if not save:
+            return
+        self._last_written = time.time()
+        new = sorted(set(self._written_files()) - self._before)
+        where = new[-1] if new else self.plugin_dir
+        self.paths.extend(new)
+        logger.info(
+            "trace of the batch after the memory spike at step %d written to "
+            "%s (TensorBoard: Profile tab, tools memory_profile and "
+            "trace_viewer)",
+            spike[0],
+            where,
+        )
+
+    def _written_files(self):
+        try:
+            return tf.io.gfile.glob(
+                os.path.join(self.plugin_dir, "*", "*.xplane.pb")
+            )
+        except tf.errors.OpError:
+            return []
 
 
 def _max(a, b):
