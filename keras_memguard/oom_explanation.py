@@ -118,6 +118,22 @@ class OutOfMemoryExplanation(NamedTuple):
             return None
         return self.in_use_bytes + self.failed_allocation_bytes
 
+    @property
+    def fitting_fraction(self):
+        """The share of the failed allocation the largest free block held.
+
+        Only when the memory was there but not in one piece (in use plus
+        the allocation under the limit); `None` otherwise. A micro-batch
+        this fraction of the failed one asks for allocations that fit.
+        """
+        demand = self.demand_bytes
+        if demand is None or not self.limit_bytes or demand >= self.limit_bytes:
+            return None
+        if not self.failed_allocation_bytes or self.largest_free_chunk_bytes is None:
+            return None
+        fraction = self.largest_free_chunk_bytes / self.failed_allocation_bytes
+        return fraction if fraction < 1 else None
+
 
 class MemoryDumpCapture:
     """Where the allocator writes its dumps during a `fit`, and reading them.

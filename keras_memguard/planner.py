@@ -427,7 +427,7 @@ def observe(config, state, work, limit_bytes, peak_bytes, current_bytes=None):
     )
 
 
-def observe_out_of_memory(config, state, work, limit_bytes, demand_bytes=None):
+def observe_out_of_memory(config, state, work, limit_bytes, largest_fitting_work=None):
     """Records that a micro-batch of `work` ran out of memory.
 
     Args:
@@ -435,10 +435,11 @@ def observe_out_of_memory(config, state, work, limit_bytes, demand_bytes=None):
         state: The current `PlannerState`.
         work: The failed micro-batch's work.
         limit_bytes: The device limit in bytes.
-        demand_bytes: Memory in use when the allocation failed plus its
-            size, when the allocator said (`None` otherwise). Below the
-            limit, the free memory was not in one piece: the usable
-            capacity is at most this.
+        largest_fitting_work: When the allocation failed with enough
+            memory free but not in one piece, the work whose allocation of
+            that kind would have fitted the largest free block (allocations
+            of a step grow with its micro-batch); `None` otherwise. Works
+            above it are not planned either.
 
     Returns:
         The new `PlannerState`: `work` and above are never planned again,
@@ -456,12 +457,13 @@ def observe_out_of_memory(config, state, work, limit_bytes, demand_bytes=None):
     capacity = state.capacity_usage
     if predicted is not None and predicted < limit_bytes:
         capacity = min(capacity, FAILURE_MARGIN * predicted / limit_bytes)
-    if demand_bytes is not None and 0 < demand_bytes < limit_bytes:
-        capacity = min(capacity, FAILURE_MARGIN * demand_bytes / limit_bytes)
+    failed = min(state.failed_work, float(work))
+    if largest_fitting_work is not None and 0 < largest_fitting_work < work:
+        failed = min(failed, float(largest_fitting_work) * (1 + 1e-6))
     # Readings at or above a failed work no longer hold.
     return state._replace(
         readings=tuple((w, p) for w, p in state.readings if w < work),
-        failed_work=min(state.failed_work, float(work)),
+        failed_work=failed,
         capacity_usage=capacity,
     )
 

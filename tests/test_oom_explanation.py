@@ -104,6 +104,10 @@ def test_live_chunks_are_named_by_the_layer_whose_tensor_has_their_size():
     free = 80 * MIB + unheld
     assert explanation.fragmentation == pytest.approx(1 - max(64 * MIB, unheld) / free)
     assert explanation.demand_bytes == explanation.in_use_bytes + 256 * 64 * 64 * 96 * 4
+    # Over the limit: memory ran out, not a block big enough.
+    assert explanation.fitting_fraction is None
+    fragmented = explanation._replace(limit_bytes=2048 * MIB, largest_free_chunk_bytes=96 * MIB)
+    assert fragmented.fitting_fraction == pytest.approx(0.25)
     tensors = explanation.largest_tensors
     assert [t.bytes for t in tensors] == sorted([small, wide, batch_input, 12345], reverse=True)
     assert (tensors[0].layers, tensors[0].kind, tensors[0].shape) == (

@@ -118,21 +118,19 @@ def test_bad_settings_are_refused_with_the_value(kwargs, message):
         planner.make_planner_config(**kwargs)
 
 
-def test_the_memory_an_out_of_memory_error_asked_for_bounds_the_capacity():
+def test_an_allocation_larger_than_the_largest_free_block_bounds_the_work():
     config = planner.make_planner_config()
     state = planner.init_planner_state()
     for work in (50.0, 100.0):
         state = planner.observe(config, state, work, LIMIT, linear_peak(work))
-    predicted = planner.predict_peak(state, 150.0)
-    # The allocator said: in use plus the failed allocation came to less
-    # than the model predicts there (the free memory was in pieces).
-    demand = predicted - 100 * MIB
-    lowered = planner.observe_out_of_memory(config, state, 150.0, LIMIT, demand_bytes=demand)
-    assert lowered.capacity_usage == pytest.approx(planner.FAILURE_MARGIN * demand / LIMIT)
+    # At work 150 a tensor twice the largest free block was asked for.
+    bounded = planner.observe_out_of_memory(
+        config, state, 150.0, LIMIT, largest_fitting_work=75.0
+    )
     plain = planner.observe_out_of_memory(config, state, 150.0, LIMIT)
-    assert plain.capacity_usage == pytest.approx(planner.FAILURE_MARGIN * predicted / LIMIT)
-    # Past the limit, the demand says nothing about fragmentation.
-    over = planner.observe_out_of_memory(config, state, 150.0, LIMIT, demand_bytes=2 * LIMIT)
-    assert over.capacity_usage == plain.capacity_usage
-    smaller = planner.plan(config, lowered, 1024, 1.0, LIMIT).micro_batches
-    assert smaller > planner.plan(config, plain, 1024, 1.0, LIMIT).micro_batches
+    assert plain.failed_work == 150.0
+    assert bounded.failed_work == pytest.approx(75.0)
+    assert bounded.capacity_usage == plain.capacity_usage
+    k = planner.plan(config, bounded, 1024, 1.0, LIMIT).micro_batches
+    assert -(-1024 // k) <= 75 < -(-1024 // (k - 1))
+    assert planner.plan(config, plain, 1024, 1.0, LIMIT).micro_batches < k

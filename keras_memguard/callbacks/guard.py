@@ -532,7 +532,11 @@ class MemoryGuard(keras.callbacks.Callback):
             self.planner_state,
             work,
             self._plan_limit,
-            demand_bytes=explanation.demand_bytes,
+            largest_fitting_work=(
+                None
+                if explanation.fitting_fraction is None
+                else work * explanation.fitting_fraction
+            ),
         )
         replanned = planner.plan(
             self.planner_config,
