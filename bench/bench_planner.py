@@ -3,9 +3,12 @@
 Part 1 (child processes under a real 600 MiB cap, the 64x64x3 CNN of
 bench_guard.py): for each batch size, two runs of the same set-up in a row
 sharing one plan cache (a fresh `$KERAS_HOME`): the first starts from
-nothing, the second from the cache. Reported per run: out-of-memory errors,
-the micro-batch it settled on, against the best micro-batch (the largest
-`ceil(batch / k)` that plain training at that size fits), and seconds.
+nothing, the second from the cache; then a third run started by hand at
+the best count (`MemoryGuard(plan=False, micro_batches=best_k)`, the
+baseline for time). Reported per run: out-of-memory errors, the micro-batch
+it settled on, against the best micro-batch (the largest `ceil(batch / k)`
+that plain training at that size fits), and the seconds to the end of the
+first epoch, against the run started at the best count.
 
 Part 2 (in process): the per-batch cost of `planner.plan` (median of
 timed loops).
@@ -27,7 +30,7 @@ CAP_MIB = 600
 MARKER = "PLANNER_RESULT "
 
 
-def child(batch, batches):
+def child(batch, batches, by_hand_k=0):
     sys.argv = [sys.argv[0], "--child", "x"]
     sys.path.insert(0, HERE)
     import bench_guard as bg
@@ -36,7 +39,10 @@ def child(batch, batches):
 
     model = bg.build_model("design_cnn")
     dataset = bg.generated_dataset("design_cnn", batch, batches)
-    guard = keras_memguard.MemoryGuard()
+    if by_hand_k:
+        guard = keras_memguard.MemoryGuard(plan=False, micro_batches=by_hand_k)
+    else:
+        guard = keras_memguard.MemoryGuard()
     start = time.perf_counter()
     model.fit(dataset, epochs=1, verbose=0, callbacks=[guard])
     print(MARKER + json.dumps({
@@ -48,13 +54,13 @@ def child(batch, batches):
     }), flush=True)
 
 
-def run_child(batch, batches, keras_home):
+def run_child(batch, batches, keras_home, by_hand_k=0):
     from keras_memguard.testing import memory_cap_env
 
     env = memory_cap_env(CAP_MIB)
     env["KERAS_HOME"] = keras_home
     out = subprocess.run(
-        [sys.executable, __file__, "--child", str(batch), str(batches)],
+        [sys.executable, __file__, "--child", str(batch), str(batches), str(by_hand_k)],
         env=env, capture_output=True, text=True, timeout=900,
     )
     for line in out.stdout.splitlines():
@@ -81,7 +87,7 @@ def plan_cost(rounds=7, calls=20000):
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(int(sys.argv[2]), int(sys.argv[3]))
+        child(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
         return
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="272,408,1024")
@@ -93,17 +99,22 @@ def main():
     for batch in (int(b) for b in args.batches.split(",")):
         best = max(-(-batch // k) for k in range(1, batch + 1)
                    if -(-batch // k) <= args.best)
+        best_k = -(-batch // best)
+        results = {}
         with tempfile.TemporaryDirectory() as home:
-            for run in ("first", "second"):
-                r = run_child(batch, args.steps, home)
-                if "error" in r:
-                    print(f"batch {batch} {run}: failed\n{r['error']}")
-                    continue
-                print(
-                    f"batch {batch} {run} run: {r['ooms']} OOM, settled k={r['k']} "
-                    f"(micro-batch {r['micro']}, {r['micro'] / best:.2f} of best "
-                    f"{best}), {r['seconds']} s"
-                )
+            for run, k in (("first", 0), ("second", 0), ("by hand", best_k)):
+                results[run] = run_child(batch, args.steps, home, by_hand_k=k)
+        base = results["by hand"].get("seconds")
+        for run, r in results.items():
+            if "error" in r:
+                print(f"batch {batch} {run}: failed\n{r['error']}")
+                continue
+            ratio = f" ({r['seconds'] / base:.2f}x by hand)" if base else ""
+            print(
+                f"batch {batch} {run} run: {r['ooms']} OOM, settled k={r['k']} "
+                f"(micro-batch {r['micro']}, {r['micro'] / best:.2f} of best "
+                f"{best}), first epoch {r['seconds']} s{ratio}"
+            )
 
 
 if __name__ == "__main__":
