@@ -66,6 +66,7 @@ __all__ = [
     "observe",
     "observe_out_of_memory",
     "plan",
+    "planned_micro_batches",
     "planner_state_from_dict",
     "planner_state_to_dict",
     "predict_peak",
@@ -300,6 +301,8 @@ def plan(config, state, batch_size, sample_size, limit_bytes):
     """Plans the micro-batch count for one batch.
 
     Cheap enough for every batch: a handful of arithmetic operations.
+    `planned_micro_batches` gives the count alone, without the reason's
+    text.
 
     Args:
         config: A `PlannerConfig`.
@@ -317,6 +320,52 @@ def plan(config, state, batch_size, sample_size, limit_bytes):
     >>> plan(config, init_planner_state(), 64, 1.0, 1000).micro_batches
     8
     """
+    k, predicted, target, why = _plan(config, state, batch_size, sample_size, limit_bytes)
+    if why in (_UNDER, _STILL_OVER):
+        why = (
+            f"predicted peak {_percent(predicted)} of {_mib(limit_bytes)} "
+            f"{why} target {_percent(target)}"
+        )
+    return Plan(k, predicted, target, why)
+
+
+def planned_micro_batches(config, state, batch_size, sample_size, limit_bytes):
+    """`plan(...).micro_batches`, without building the reason's text.
+
+    For a caller that plans every batch and needs the reason only when the
+    count changes.
+
+    Args:
+        config: A `PlannerConfig`.
+        state: The current `PlannerState`.
+        batch_size: Samples in the batch (of one replica), an integer >= 1.
+        sample_size: Elements of one sample's inputs (> 0).
+        limit_bytes: The device memory limit in bytes (> 0).
+
+    Returns:
+        The micro-batch count, an int.
+
+    Example:
+
+    >>> planned_micro_batches(make_planner_config(), init_planner_state(),
+    ...                       64, 1.0, 1000)
+    8
+    """
+    return _plan(config, state, batch_size, sample_size, limit_bytes)[0]
+
+
+_FIRST_SPLIT = "nothing measured yet: a cautious first split"
+_SMALLER = (
+    "a smaller micro-batch, to tell memory that grows with it from memory "
+    "that does not"
+)
+# Completed by `plan` into "predicted peak 64% of 600 MiB under target 90%".
+_UNDER = "under"
+_STILL_OVER = "one sample per micro-batch: still over"
+
+
+def _plan(config, state, batch_size, sample_size, limit_bytes):
+    """`plan`'s numbers: `(k, predicted usage, target usage, why)`."""
     cap = config.max_micro_batches
     high = batch_size if cap is None else min(cap, batch_size)
     low = min(config.min_micro_batches, high)
@@ -324,7 +373,7 @@ def plan(config, state, batch_size, sample_size, limit_bytes):
     fitted = _fit(state)
     if fitted is None:
         k = max(low, min(high, config.first_split))
-        return Plan(k, None, target, "nothing measured yet: a cautious first split")
+        return k, None, target, _FIRST_SPLIT
     fixed, slope = fitted
     # The largest work allowed: under the target, below any work that
     # failed, and not far beyond the works measured.
@@ -340,10 +389,10 @@ def plan(config, state, batch_size, sample_size, limit_bytes):
     largest_micro = int(allowed / sample_size) if allowed > 0 else 0
     if largest_micro >= 1:
         k = -(-batch_size // largest_micro)
-        why = "under"
+        why = _UNDER
     else:
         k = batch_size
-        why = "one sample per micro-batch: still over"
+        why = _STILL_OVER
     k = max(low, min(high, k))
     work = -(-batch_size // k) * sample_size
     measured = state.readings[-1][0]
@@ -354,24 +403,14 @@ def plan(config, state, batch_size, sample_size, limit_bytes):
         probe = max(1, int(measured / sample_size / 2))
         k = max(low, min(high, -(-batch_size // probe)))
         work = -(-batch_size // k) * sample_size
-        return Plan(
-            k,
-            (fixed + slope * work) / limit_bytes,
-            target,
-            "a smaller micro-batch, to tell memory that grows with it from "
-            "memory that does not",
-        )
-    predicted = (fixed + slope * work) / limit_bytes
-    return Plan(
-        k,
-        predicted,
-        target,
-        f"predicted peak {_percent(predicted)} of {_mib(limit_bytes)} "
-        f"{why} target {_percent(target)}",
-    )
+        return k, (fixed + slope * work) / limit_bytes, target, _SMALLER
+    return k, (fixed + slope * work) / limit_bytes, target, why
 
 
 def _record(readings, work, peak):
+    for i, (recorded, _) in enumerate(readings):
+        if recorded == work:  # the same works, still sorted
+            return readings[:i] + ((work, peak),) + readings[i + 1 :]
     entries = dict(readings)
     entries[work] = peak
     while len(entries) > MAX_READINGS:
@@ -414,16 +453,19 @@ def observe(config, state, work, limit_bytes, peak_bytes, current_bytes=None):
     if current_bytes is not None:
         base = float(current_bytes) if base is None else min(base, current_bytes)
     reading = (float(work), float(peak_bytes))
+    limit = float(limit_bytes)
     if (
         base == state.base_bytes
-        and float(limit_bytes) == state.limit_bytes
+        and limit == state.limit_bytes
         and reading in state.readings
     ):
         return state
-    return state._replace(
+    return PlannerState(
         readings=_record(state.readings, *reading),
         base_bytes=base,
-        limit_bytes=float(limit_bytes),
+        failed_work=state.failed_work,
+        capacity_usage=state.capacity_usage,
+        limit_bytes=limit,
     )
 
 

@@ -11,6 +11,7 @@ import keras
 
 import keras_memguard
 from helpers import SampleCount
+from keras_memguard import planner
 from keras_memguard.callbacks.sampling import shared_reader
 from keras_memguard.testing import run_with_memory_cap
 from keras_memguard.training.replay import ReplayTrainFunction
@@ -204,6 +205,48 @@ def test_monitor_and_guard_share_one_allocator_read_per_batch():
         callbacks=[keras_memguard.MemoryMonitor(), keras_memguard.MemoryGuard(memory_limit=1 << 40)],
     )
     assert len(calls) == 2 * 4
+
+
+
+def test_each_batch_runs_at_the_planners_count_and_an_unchanged_plan_is_reused(
+    monkeypatch,
+):
+    x, y = make_data()
+    model = make_mlp()
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40, plan_cache=False)
+    computed = []
+    count = planner.planned_micro_batches
+    monkeypatch.setattr(
+        planner, "planned_micro_batches", lambda *args: computed.append(args) or count(*args)
+    )
+    planned = []
+    plan_batch = guard._plan_batch
+
+    def checked_plan_batch(batch_size, sample_size, data):
+        k = plan_batch(batch_size, sample_size, data)
+        fresh = planner.plan(
+            guard.planner_config, guard.planner_state, batch_size, sample_size,
+            guard._plan_limit,
+        )
+        planned.append((k, fresh.micro_batches))
+        return k
+
+    guard._plan_batch = checked_plan_batch  # the guard hands it to its function
+    model.fit(x, y, batch_size=50, epochs=2, verbose=0, callbacks=[guard])
+    assert len(planned) == 8
+    assert all(k == fresh for k, fresh in planned), planned
+    # The same state and batch shape: the count is not computed again.
+    computed.clear()
+    sample_size = 24.0 * 24 * 3
+    k = plan_batch(50, sample_size, None)
+    assert plan_batch(50, sample_size, None) == k
+    assert len(computed) <= 1
+    # A new reading makes a new state: computed afresh.
+    guard.planner_state = planner.observe(
+        guard.planner_config, guard.planner_state, 7.0, 1 << 40, 1.0
+    )
+    plan_batch(50, sample_size, None)
+    assert computed and computed[-1][1] is guard.planner_state
 
 
 def test_other_errors_pass_through_untouched():

@@ -19,6 +19,7 @@ from keras_memguard.training import accumulate_gradients
 from keras_memguard.training import has_batch_statistics_layers
 from keras_memguard.training import make_step_function
 from keras_memguard.training import split_micro_batches
+from keras_memguard.training import replay
 from keras_memguard.training.mixin import MemGuardMixin
 import programs
 
@@ -444,3 +445,54 @@ def test_save_and_load_round_trip(tmp_path):
     clone = GuardedModel.from_config(functional.get_config())
     assert isinstance(clone, GuardedModel)
     assert clone.micro_batches == 1
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        (tf.zeros([6, 8]), tf.zeros([6])),
+        (tf.zeros([6, 8]),),
+        tf.zeros([6, 4, 2]),
+        [tf.zeros([6, 8]), tf.zeros([6])],
+        ({"b": tf.zeros([4, 3, 2]), "a": tf.zeros([4, 5])}, tf.zeros([4])),
+        (tf.zeros([0, 3]), tf.zeros([0])),
+        (tf.zeros([]), tf.zeros([7, 2])),
+        (np.zeros((5, 3, 0)), np.zeros(5)),
+        ({"a": None, "b": tf.zeros([3, 2])}, None),
+        ((tf.zeros([]),), tf.zeros([]), None),
+        ([tf.zeros([2, 4]), tf.zeros([2, 0, 3])], tf.zeros([2]), tf.zeros([2])),
+    ],
+)
+def test_batch_sizes_in_one_pass_match_the_two_functions(data):
+    expected = (replay.replica_batch_sizes(data), replay.sample_size_of(data))
+    assert replay._batch_sizes(data, None, True) == expected
+    assert replay._batch_sizes(data, None, False) == (expected[0], None)
+
+
+class _PerReplica(tf.distribute.DistributedValues):
+    """Per-replica values, as a strategy's distributed dataset yields them."""
+
+    def __init__(self, *values):
+        self.values = values
+
+
+class _LocalResults:
+    """The one method of a strategy the batch sizes read."""
+
+    def experimental_local_results(self, value):
+        return value.values
+
+
+@pytest.mark.parametrize("strategy", [None, _LocalResults()])
+def test_batch_sizes_in_one_pass_read_per_replica_values(strategy):
+    x = _PerReplica(tf.zeros([3, 4, 2]), tf.zeros([5, 4, 2]))
+    unknown = _PerReplica(tf.zeros([3, 1]), np.zeros(()))
+    for data, expected in (
+        ((x, tf.zeros([8])), ((3, 5), 8.0)),
+        (({"a": unknown, "b": x}, tf.zeros([8])), ((3, 5), 9.0)),
+        (((unknown,), tf.zeros([8])), ((8,), 1.0)),
+    ):
+        assert replay.replica_batch_sizes(data, strategy) == expected[0]
+        assert replay.sample_size_of(data, strategy) == expected[1]
+        assert replay._batch_sizes(data, strategy, True) == expected
+        assert replay._batch_sizes(data, strategy, False) == (expected[0], None)

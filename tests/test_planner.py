@@ -134,3 +134,50 @@ def test_an_allocation_larger_than_the_largest_free_block_bounds_the_work():
     k = planner.plan(config, bounded, 1024, 1.0, LIMIT).micro_batches
     assert -(-1024 // k) <= 75 < -(-1024 // (k - 1))
     assert planner.plan(config, plain, 1024, 1.0, LIMIT).micro_batches < k
+
+
+def test_a_reading_that_teaches_nothing_new_keeps_the_state_object():
+    config = planner.make_planner_config()
+    state = planner.init_planner_state()
+    for work in (50.0, 100.0):
+        state = planner.observe(
+            config, state, work, LIMIT, linear_peak(work), current_bytes=10 * MIB
+        )
+    # The same peak at a work already recorded, a higher current: the same
+    # object, so a caller keeps what it derived from it (the guard's plan).
+    again = planner.observe(
+        config, state, 50, LIMIT, linear_peak(50.0), current_bytes=12 * MIB
+    )
+    assert again is state
+    # Anything new makes a new state, as before.
+    moved = planner.observe(config, state, 50.0, LIMIT, linear_peak(50.0) + 1)
+    assert moved.readings == (
+        (50.0, linear_peak(50.0) + 1.0),
+        (100.0, linear_peak(100.0)),
+    )
+    assert moved._replace(readings=state.readings) == state
+    lower = planner.observe(
+        config, state, 50.0, LIMIT, linear_peak(50.0), current_bytes=9 * MIB
+    )
+    assert lower.base_bytes == 9 * MIB and lower.readings == state.readings
+    wider = planner.observe(config, state, 50.0, 2 * LIMIT, linear_peak(50.0))
+    assert wider.limit_bytes == 2 * LIMIT and wider.readings == state.readings
+    added = planner.observe(config, state, 75.0, LIMIT, linear_peak(75.0))
+    assert [w for w, _ in added.readings] == [50.0, 75.0, 100.0]
+
+
+def test_the_count_alone_is_the_plans_count():
+    config = planner.make_planner_config(max_micro_batches=64)
+    empty = planner.init_planner_state()
+    one = planner.observe(config, empty, 40.0, LIMIT, linear_peak(40.0))
+    two = planner.observe(config, one, 80.0, LIMIT, linear_peak(80.0))
+    failed = planner.observe_out_of_memory(config, two, 160.0, LIMIT)
+    over = planner.observe(config, empty, 1.0, LIMIT, 590 * MIB)
+    flat = planner.observe(config, one, 20.0, LIMIT, linear_peak(40.0))
+    for state in (empty, one, two, failed, over, flat):
+        for batch_size in (1, 7, 64, 408, 1024):
+            for sample_size in (1.0, 3.0, 100.0):
+                args = (config, state, batch_size, sample_size, LIMIT)
+                assert planner.planned_micro_batches(*args) == (
+                    planner.plan(*args).micro_batches
+                ), args

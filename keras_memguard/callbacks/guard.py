@@ -202,6 +202,8 @@ class MemoryGuard(keras.callbacks.Callback):
         self._plan_key = None
         self._plan_fields = None
         self._plan_limit = None
+        # The last plan and what it was planned from (see `_plan_batch`).
+        self._last_plan = None
         if memory_limit is not None:
             AllocatorProbe(memory_limit=memory_limit)  # validates it
         self.memory_limit = memory_limit
@@ -345,9 +347,10 @@ class MemoryGuard(keras.callbacks.Callback):
         usage = None
         limit = None
         for sample, device_limit in zip(samples, self._limits):
-            if sample.peak_bytes is None or not device_limit:
+            peak = sample.peak_bytes
+            if peak is None or not device_limit:
                 continue
-            device_usage = sample.peak_bytes / device_limit
+            device_usage = peak / device_limit
             if usage is None or device_usage > usage:
                 usage, limit = device_usage, device_limit
         if self._planning:
@@ -378,14 +381,19 @@ class MemoryGuard(keras.callbacks.Callback):
     # Planning.
 
     def _observe(self, samples, usage, limit):
-        """Gives the planner the peak of the batch that just ran."""
+        """Gives the planner the peak of the batch that just ran.
+
+        A reading that teaches the planner nothing new leaves
+        `planner_state` the same object, so the next plan is reused.
+        """
         work = self._function.last_work
         if usage is None or work is None or self.planner_state is None:
             return
         current = None
         for sample, device_limit in zip(samples, self._limits):
-            if device_limit == limit and sample.current_bytes is not None:
-                current = max(current or 0, sample.current_bytes)
+            device_current = sample.current_bytes
+            if device_limit == limit and device_current is not None:
+                current = max(current or 0, device_current)
         self.planner_state = planner.observe(
             self.planner_config,
             self.planner_state,
@@ -399,15 +407,21 @@ class MemoryGuard(keras.callbacks.Callback):
         """Plans the micro-batch count of the batch about to run."""
         if self.planner_state is None:
             self._start_planner(data)
-        decided = planner.plan(
-            self.planner_config,
-            self.planner_state,
-            batch_size,
-            sample_size,
-            self._plan_limit,
-        )
-        k = decided.micro_batches
+        # The planner is pure over immutable values: while the state is the
+        # same object (no new reading, no out-of-memory error) and the batch
+        # the same shape, the count is the same. The reason's text is built
+        # only for a change.
+        config = self.planner_config
+        state = self.planner_state
+        key = (batch_size, sample_size, self._plan_limit)
+        last = self._last_plan
+        if last is not None and last[0] is state and last[1] is config and last[2] == key:
+            k = last[3]
+        else:
+            k = planner.planned_micro_batches(config, state, *key)
+            self._last_plan = (state, config, key, k)
         if k != self.state.micro_batches:
+            decided = planner.plan(config, state, *key)
             logger.info(
                 "planned k=%d for batch %d: %s (micro-batch %d)",
                 k,
@@ -730,14 +744,18 @@ class MemoryGuard(keras.callbacks.Callback):
         )
 
     def _write_scalars(self):
-        k = self.state.micro_batches
+        """Queues the batch's row; the writer's thread encodes it."""
+        state = self.state
+        k = state.micro_batches
+        function = self._function
+        size = function.last_replica_batch_size if function else None
         self._writer.write_values(
             self._step,
             _SCALAR_TAGS,
             (
                 k,
-                self._micro_batch_size(k),
-                self.state.oom_count,
+                -(-size // k) if size else None,  # `_micro_batch_size(k)`
+                state.oom_count,
                 self.config.threshold,
             ),
         )

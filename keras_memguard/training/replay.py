@@ -54,6 +54,8 @@ class ReplayTrainFunction:
         self.mode = mode
         self.on_out_of_memory = on_out_of_memory
         self.plan = plan
+        # Read once: Keras' property asks TensorFlow for the current strategy.
+        self.strategy = model.distribute_strategy
         # Elements of one sample's inputs, and the work (micro-batch samples
         # times that) of the last batch that ran, for the planner.
         self.last_sample_size = None
@@ -83,7 +85,8 @@ class ReplayTrainFunction:
         if not self._state_built:
             build_training_state(self.model, data)
             self._state_built = True
-        replica_sizes = replica_batch_sizes(data, self.model.distribute_strategy)
+        planning = self.plan is not None
+        replica_sizes, sample_size = _batch_sizes(data, self.strategy, planning)
         batch_size = None if replica_sizes is None else sum(replica_sizes)
         self.last_batch_size = batch_size
         if batch_size and (self.largest_batch_size or 0) < batch_size:
@@ -94,10 +97,10 @@ class ReplayTrainFunction:
         self.last_replica_batch_size = replica_size
         if replica_size and (self.largest_replica_batch_size or 0) < replica_size:
             self.largest_replica_batch_size = replica_size
-        sample_size = None
-        if self.plan is not None and replica_size:
-            sample_size = sample_size_of(data, self.model.distribute_strategy)
+        if planning and replica_size:
             self.micro_batches = self.plan(replica_size, sample_size, data)
+        else:
+            sample_size = None
         self.last_sample_size = sample_size
         while True:
             micro_batches = self.micro_batches
@@ -179,25 +182,7 @@ def replica_batch_sizes(data, strategy=None):
     >>> replica_batch_sizes(tf.zeros([32, 8]))
     (32,)
     """
-    for leaf in tree.flatten(data):
-        if isinstance(leaf, tf.distribute.DistributedValues):
-            if strategy is not None:
-                values = strategy.experimental_local_results(leaf)
-            else:
-                values = leaf.values
-        else:
-            values = (leaf,)
-        sizes = tuple(_leading_dimension(value) for value in values)
-        if sizes and None not in sizes:
-            return sizes
-    return None
-
-
-def _leading_dimension(value):
-    shape = getattr(value, "shape", None)
-    if shape is None or len(shape) == 0 or shape[0] is None:
-        return None
-    return int(shape[0])
+    return _replica_sizes(_leaves(data), strategy)
 
 
 def sample_size_of(data, strategy=None):
@@ -220,20 +205,111 @@ def sample_size_of(data, strategy=None):
     >>> sample_size_of((tf.zeros([32, 8, 4]), tf.zeros([32, 1])))
     32.0
     """
-    inputs = data[0] if isinstance(data, (tuple, list)) and data else data
+    inputs, _ = _split_inputs(data)
+    return _sample_size(_leaves(inputs), strategy)
+
+
+def _batch_sizes(data, strategy, with_sample_size):
+    """`replica_batch_sizes(data)` and, if asked, `sample_size_of(data)`.
+
+    One pass over the inputs' leaves, each shape read once, serves both: a
+    batch's leaves are its inputs' leaves, then the targets' and weights'.
+    The sample size is `None` when not asked for.
+    """
+    if not with_sample_size:
+        return replica_batch_sizes(data, strategy), None
+    inputs, rest = _split_inputs(data)
+    sizes = None
     size = 0
-    for leaf in tree.flatten(inputs):
+    for leaf in _leaves(inputs):
         if isinstance(leaf, tf.distribute.DistributedValues):
-            leaf = (
-                strategy.experimental_local_results(leaf)[0]
-                if strategy is not None
-                else leaf.values[0]
-            )
-        shape = getattr(leaf, "shape", None)
-        if shape is None:
+            values = _local_values(leaf, strategy)
+            if sizes is None:
+                sizes = _known_sizes(values)
+            dimensions = _dimensions(values[0])
+        else:
+            dimensions = _dimensions(leaf)
+            if sizes is None and dimensions and dimensions[0] is not None:
+                sizes = (int(dimensions[0]),)
+        if dimensions is not None:
+            elements = 1
+            for dimension in dimensions[1:]:
+                elements *= dimension or 1
+            size += elements
+    if sizes is None and rest:
+        sizes = _replica_sizes(_leaves(rest), strategy)
+    return sizes, float(max(size, 1))
+
+
+def _split_inputs(data):
+    """`(inputs, the rest)` of a batch: `x` and `(y, sample_weight)`."""
+    if isinstance(data, (tuple, list)) and data:
+        return data[0], data[1:]
+    return data, ()
+
+
+def _leaves(structure):
+    """The leaves of a nested structure, in `tree.flatten`'s order."""
+    if isinstance(structure, tf.Tensor):  # a leaf: no walk needed
+        return (structure,)
+    return tree.flatten(structure)
+
+
+def _replica_sizes(leaves, strategy):
+    for leaf in leaves:
+        if not isinstance(leaf, tf.distribute.DistributedValues):
+            size = _leading_dimension(leaf)
+            if size is not None:
+                return (size,)
+            continue
+        sizes = _known_sizes(_local_values(leaf, strategy))
+        if sizes is not None:
+            return sizes
+    return None
+
+
+def _local_values(leaf, strategy):
+    """The per-replica tensors of this process's replicas."""
+    if strategy is not None:
+        return strategy.experimental_local_results(leaf)
+    return leaf.values
+
+
+def _known_sizes(values):
+    sizes = tuple(_leading_dimension(value) for value in values)
+    return sizes if sizes and None not in sizes else None
+
+
+def _sample_size(leaves, strategy):
+    size = 0
+    for leaf in leaves:
+        if isinstance(leaf, tf.distribute.DistributedValues):
+            leaf = _local_values(leaf, strategy)[0]
+        dimensions = _dimensions(leaf)
+        if dimensions is None:
             continue
         elements = 1
-        for dimension in shape[1:]:
+        for dimension in dimensions[1:]:
             elements *= dimension or 1
         size += elements
     return float(max(size, 1))
+
+
+def _dimensions(value):
+    """The dimensions of `value`'s static shape (ints or `None`), or `None`.
+
+    Raises `ValueError` for a shape of unknown rank.
+    """
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return None
+    if isinstance(shape, tf.TensorShape):
+        return shape.as_list()
+    return tuple(shape)
+
+
+def _leading_dimension(value):
+    dimensions = _dimensions(value)
+    if not dimensions or dimensions[0] is None:
+        return None
+    return int(dimensions[0])
