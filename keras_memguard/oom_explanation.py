@@ -369,9 +369,10 @@ def explain(
     micro_batch_size = -(-batch_size // micro_batches) if batch_size else None
     try:
         candidates = tensor_candidates(model, micro_batch_size, batch_size)
+        # Every layer, also those without static shapes (subclassed models).
+        layer_names = {layer.name for layer in compat.all_layers(model)}
     except Exception:  # Explaining must never stop the replay.
-        candidates = []
-    layer_names = {c[1] for c in candidates if c[2] == "output"}
+        candidates, layer_names = [], set()
     failed_layer = layer_of_op(failed["op"], layer_names)
     in_use = largest_free = fragmentation = None
     tensors = ()
@@ -452,7 +453,10 @@ def describe(explanation):
         top = e.largest_tensors[0]
         text += f"; largest live tensor {_mib(top.bytes)}"
         if top.layers:
-            text += f", {top.kind} of " + " or ".join(f"'{n}'" for n in top.layers)
+            names = " or ".join(f"'{n}'" for n in top.layers[:3])
+            if len(top.layers) > 3:
+                names += f" ({len(top.layers) - 3} more layers of that size)"
+            text += f", {top.kind} of {names}"
     return text
 
 

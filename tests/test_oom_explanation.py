@@ -124,6 +124,29 @@ def test_live_chunks_are_named_by_the_layer_whose_tensor_has_their_size():
     assert "largest live tensor 192 MiB, output of 'wide'" in line
 
 
+def test_a_subclassed_models_layer_is_named_without_static_shapes():
+    class Classifier(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.conv = keras.layers.Conv2D(64, 3, name="c1")
+            self.head = keras.layers.Dense(10, name="head")
+
+        def call(self, x):
+            return self.head(keras.ops.mean(self.conv(x), axis=(1, 2)))
+
+    model = Classifier()
+    model(keras.ops.zeros((1, 8, 8, 3)))
+    message = GRAPH_MESSAGE.replace(
+        "gradient_tape/functional_1/small_b_1/convolution/Conv2DBackpropInput",
+        "classifier_1/c1_1/BiasAdd",
+    )
+    explanation = oom_explanation.explain(
+        message, make_dump([5 * MIB], []), model, step=1, batch_size=8, micro_batches=1
+    )
+    assert explanation.failed_layer == "c1" and explanation.backward is False
+    assert explanation.largest_tensors[0].layers == ()
+
+
 def test_without_a_dump_what_is_unknown_stays_none():
     explanation = oom_explanation.explain(
         EAGER_MESSAGE, None, make_model(), step=1, batch_size=None, micro_batches=1
