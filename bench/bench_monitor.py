@@ -20,9 +20,11 @@ interleaved and rotated each repeat): one `get_memory_info`, one
 `on_train_batch_end` called directly with a logs dict; and the whole
 per-batch path `fit` runs (the model's logs carrier calling the callbacks'
 contributions after the train function, then `on_train_batch_end`) for the
-monitor alone and for the monitor with `MemoryGuard`, both with `log_dir`;
-and, in a real `fit` with both callbacks, the median time of each of their
-per-batch hooks.
+monitor alone and for the monitor with `MemoryGuard`, both with `log_dir`,
+once with a stand-in for the whole train function and once with the guard's
+own train function (batch sizes, planning, the planner's reading) around a
+stand-in for the compiled step; and, in a real `fit` with both callbacks,
+the median time of each of their per-batch hooks.
 "CPU per batch" adds the event writer's thread: process CPU time of the calls
 plus the flush of their events, per call.
 Prints Markdown tables.
@@ -58,6 +60,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from keras_memguard import planner  # noqa: E402
 from keras_memguard.callbacks import logs_carrier  # noqa: E402
 from keras_memguard.callbacks.guard import MemoryGuard  # noqa: E402
 from keras_memguard.callbacks.monitor import MemoryMonitor  # noqa: E402
@@ -205,20 +208,26 @@ def direct_batch_end(log_dir):
     return call, _writer_flush(monitor), monitor.on_train_end
 
 
-def fit_path(log_dir, with_guard):
+def fit_path(log_dir, with_guard, plan=False):
     """The per-batch path of `fit`: the logs carrier, then the batch hook.
 
     The callbacks are set up as `fit` sets them up (`on_train_begin`
     installs the model's logs carrier, and the guard its train function in
     it); then the carrier's inner function is a stand-in returning a logs
     dict, so a call costs what the callbacks add to a batch, not a training
-    step. Returns `(call, after, close)`.
+    step. With `plan`, the guard's own train function stays in the carrier
+    and only its compiled step is a stand-in: each call also pulls a batch
+    (the same eager tensors), reads its sizes, plans it and gives the
+    planner the batch's reading. The stand-in allocates nothing, so every
+    reading is the same; the planner starts knowing that the memory in use
+    before training is 0, which gives it a line from the first reading.
+    Returns `(call, after, close)`.
     """
     model = build_model()
     monitor = MemoryMonitor(log_dir=log_dir)
     callbacks = [monitor]
     if with_guard:
-        callbacks.append(MemoryGuard(log_dir=log_dir))
+        callbacks.append(MemoryGuard(log_dir=log_dir, plan_cache=False))
     params = {"epochs": 1, "steps": None, "verbose": 0}
     model.make_train_function()
     for callback in callbacks:
@@ -230,11 +239,24 @@ def fit_path(log_dir, with_guard):
         callback.on_epoch_begin(0)
     carrier = logs_carrier.current(model)
     train_logs = {"loss": 0.5}
-    carrier.inner = lambda iterator: train_logs
+    iterator = None
+    if plan:
+        guard = callbacks[-1]
+        function = guard._function
+        function.step_for = lambda micro_batches: lambda data: train_logs
+        function._state_built = True  # nothing to build for the stand-in
+        guard._plan_limit = min(limit for limit in guard._limits if limit)
+        guard.planner_state = planner.init_planner_state(
+            base_bytes=0, limit_bytes=guard._plan_limit
+        )
+        batch = (tf.zeros([BATCH, FEATURES]), tf.zeros([BATCH], tf.int64))
+        iterator = itertools.repeat(batch)
+    else:
+        carrier.inner = lambda iterator: train_logs
     batches = itertools.count()
 
     def call():
-        logs = carrier(None)
+        logs = carrier(iterator)
         batch = next(batches)
         for callback in callbacks:
             callback.on_train_batch_end(batch, logs)
@@ -252,9 +274,10 @@ def timed_hooks_in_fit(x, y, log_dir):
     MemoryMonitor and MemoryGuard (both with `log_dir`) on the bench MLP:
     each hook is wrapped with a timer before `fit` (the callbacks register
     their bound methods at train begin, so the wrappers are what runs).
-    The guard's plan hook (`_plan_batch`, where the guard plans each batch
-    before it runs) is timed too where it exists. One warm-up fit, then the
-    medians over the batches of a second fit.
+    The guard's work before each step is timed from the call of its train
+    function's `run` to the call of `step_for` (the batch's sizes and the
+    plan), and its plan hook (`_plan_batch`) on its own. One warm-up fit,
+    then the medians over the batches of a second fit.
     """
     monitor = MemoryMonitor(log_dir=log_dir)
     guard = MemoryGuard(log_dir=log_dir)
@@ -275,6 +298,30 @@ def timed_hooks_in_fit(x, y, log_dir):
 
         setattr(owner, name, timed)
 
+    class TimeBeforeStep(keras.callbacks.Callback):
+        """After the guard's `on_train_begin`: wraps its train function."""
+
+        def on_train_begin(self, logs=None):
+            function = guard._function
+            run, step_for = function.run, function.step_for
+            times = durations.setdefault(
+                "MemoryGuard: before the step (batch sizes, plan)", []
+            )
+            clock = time.perf_counter
+            started = []
+
+            def timed_run(data):
+                started.append(clock())
+                return run(data)
+
+            def timed_step_for(micro_batches):
+                if started:
+                    times.append(clock() - started.pop())
+                return step_for(micro_batches)
+
+            function.run = timed_run
+            function.step_for = timed_step_for
+
     model = build_model()
     wrap(monitor, "_contribute", "MemoryMonitor: after the train function")
     # Part of the line above: the allocator reading itself, right after a
@@ -283,12 +330,12 @@ def timed_hooks_in_fit(x, y, log_dir):
     wrap(monitor, "on_train_batch_end", "MemoryMonitor.on_train_batch_end")
     wrap(guard, "_contribute", "MemoryGuard: after the train function")
     wrap(guard, "on_train_batch_end", "MemoryGuard.on_train_batch_end")
-    wrap(guard, "_plan_batch", "MemoryGuard: plan before the batch")
+    wrap(guard, "_plan_batch", "  of which MemoryGuard._plan_batch")
     for _ in range(2):
         for times in durations.values():
             times.clear()
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
-                  callbacks=[monitor, guard], shuffle=False)
+                  callbacks=[monitor, guard, TimeBeforeStep()], shuffle=False)
     return {label: statistics.median(times) * 1e6 for label, times in durations.items()}
 
 
@@ -298,7 +345,7 @@ def main():
     parser.add_argument("--skip-fits", action="store_true",
                         help="only the per-call and per-hook figures (quicker)")
     parser.add_argument("--profile", action="store_true",
-                        help="cProfile fit's per-batch path (monitor + guard)")
+                        help="cProfile fit's per-batch path (monitor + guard, planning)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # NVML is absent without a GPU driver
 
@@ -324,7 +371,8 @@ def main():
     }
     print(f"Python {platform.python_version()}, TensorFlow {tf.__version__}, "
           f"Keras {keras.__version__}; {os.cpu_count()} CPU cores ({cpu_model()}); "
-          f"no GPU: {not tf.config.list_physical_devices('GPU')}")
+          f"no GPU: {not tf.config.list_physical_devices('GPU')}; keras_memguard "
+          f"from {os.path.dirname(os.path.dirname(planner.__file__))}")
     bare = None
     if not args.skip_fits:
         times, cpu_times = time_fits(x, y, variants, args.rounds)
@@ -363,6 +411,9 @@ def main():
         "direct, log_dir=None": direct_batch_end(None),
         "fit path, monitor": fit_path(os.path.join(tmp, "path"), False),
         "fit path, monitor + guard": fit_path(os.path.join(tmp, "path_guard"), True),
+        "fit path, monitor + guard, planning": fit_path(
+            os.path.join(tmp, "path_plan"), True, plan=True
+        ),
     }
     number, repeat = 5000, 9
     calls = {
@@ -393,6 +444,8 @@ def main():
         ("fit's per-batch path: MemoryMonitor (log_dir set)", "fit path, monitor"),
         ("fit's per-batch path: MemoryMonitor + MemoryGuard (log_dir set)",
          "fit path, monitor + guard"),
+        ("the same, with the guard's train function planning (stand-in step)",
+         "fit path, monitor + guard, planning"),
     ):
         us = wall_us[name]
         share = "-" if step_ms is None else f"{us / (step_ms * 1e3):.2%}"
@@ -414,7 +467,7 @@ def main():
     print(f"| sum | {total:.2f} |")
 
     if args.profile:
-        call, _, close = fit_path(os.path.join(tmp, "profile"), True)
+        call, _, close = fit_path(os.path.join(tmp, "profile"), True, plan=True)
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(20000):
@@ -422,9 +475,10 @@ def main():
         profiler.disable()
         close()
         out = io.StringIO()
-        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
         print("\ncProfile of 20000 batches of fit's per-batch path (monitor + "
-              "guard, log_dir set), by tottime:")
+              "guard with its train function planning around a stand-in step, "
+              "log_dir set), by tottime:")
         print(out.getvalue())
     return 0
 
