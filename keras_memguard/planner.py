@@ -378,7 +378,10 @@ def _plan(config, state, batch_size, sample_size, limit_bytes):
     # The largest work allowed: under the target, below any work that
     # failed, and not far beyond the works measured.
     room = target * limit_bytes - fixed
-    allowed = room / slope if slope > 0 else math.inf
+    if slope > 0:
+        allowed = room / slope
+    else:  # Nothing measured grows with the work: all or nothing.
+        allowed = math.inf if room > 0 else 0.0
     failed = state.failed_work
     if failed < math.inf:
         allowed = min(allowed, failed * (1 - 1e-9))
@@ -386,6 +389,7 @@ def _plan(config, state, batch_size, sample_size, limit_bytes):
     candidate = min(allowed, batch_size * sample_size)
     if fixed + slope * candidate > 0.5 * target * limit_bytes:
         allowed = min(allowed, config.growth * state.readings[-1][0])
+    allowed = min(allowed, batch_size * sample_size)  # the whole batch at most
     largest_micro = int(allowed / sample_size) if allowed > 0 else 0
     if largest_micro >= 1:
         k = -(-batch_size // largest_micro)

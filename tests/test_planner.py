@@ -181,3 +181,17 @@ def test_the_count_alone_is_the_plans_count():
                 assert planner.planned_micro_batches(*args) == (
                     planner.plan(*args).micro_batches
                 ), args
+
+
+def test_readings_that_do_not_grow_with_the_work_plan_the_whole_batch():
+    config = planner.make_planner_config()
+    state = planner.init_planner_state()
+    # Every peak at the memory in use before the step: nothing grows.
+    for work in (8.0, 16.0):
+        state = planner.observe(config, state, work, LIMIT, 50 * MIB, current_bytes=50 * MIB)
+    assert planner.plan(config, state, 64, 1.0, LIMIT).micro_batches == 1
+    # The same, but over the target already: as split as allowed.
+    full = planner.init_planner_state()
+    for work in (8.0, 16.0):
+        full = planner.observe(config, full, work, LIMIT, LIMIT, current_bytes=LIMIT)
+    assert planner.plan(config, full, 64, 1.0, LIMIT).micro_batches == 64
