@@ -212,33 +212,18 @@ def sample_size_of(data, strategy=None):
 def _batch_sizes(data, strategy, with_sample_size):
     """`replica_batch_sizes(data)` and, if asked, `sample_size_of(data)`.
 
-    One pass over the inputs' leaves, each shape read once, serves both: a
-    batch's leaves are its inputs' leaves, then the targets' and weights'.
-    The sample size is `None` when not asked for.
+    The batch is flattened once for both: a batch's leaves are its inputs'
+    leaves, then the targets' and weights'. The sample size is `None` when
+    not asked for.
     """
     if not with_sample_size:
         return replica_batch_sizes(data, strategy), None
     inputs, rest = _split_inputs(data)
-    sizes = None
-    size = 0
-    for leaf in _leaves(inputs):
-        if isinstance(leaf, tf.distribute.DistributedValues):
-            values = _local_values(leaf, strategy)
-            if sizes is None:
-                sizes = _known_sizes(values)
-            dimensions = _dimensions(values[0])
-        else:
-            dimensions = _dimensions(leaf)
-            if sizes is None and dimensions and dimensions[0] is not None:
-                sizes = (int(dimensions[0]),)
-        if dimensions is not None:
-            elements = 1
-            for dimension in dimensions[1:]:
-                elements *= dimension or 1
-            size += elements
+    leaves = _leaves(inputs)
+    sizes = _replica_sizes(leaves, strategy)
     if sizes is None and rest:
         sizes = _replica_sizes(_leaves(rest), strategy)
-    return sizes, float(max(size, 1))
+    return sizes, _sample_size(leaves, strategy)
 
 
 def _split_inputs(data):
