@@ -18,7 +18,7 @@ import keras_memguard.probes as probes_module
 from keras_memguard.probes import AllocatorProbe
 from keras_memguard.probes import AllocatorSample
 from keras_memguard.probes.base import MIB
-from keras_memguard.probes.tf_allocator import _cpu_bfc_limit_bytes
+from keras_memguard.probes.tf_allocator import cpu_bfc_limit_bytes
 from keras_memguard.probes.tf_allocator import logical_device_limits
 from keras_memguard.testing import RESULT_MARKER
 from keras_memguard.testing import run_with_memory_cap
@@ -218,7 +218,7 @@ def test_cpu_bfc_limit_follows_tensorflow_env_rules(
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
-    assert _cpu_bfc_limit_bytes() == expected
+    assert cpu_bfc_limit_bytes() == expected
 
 
 def test_logical_device_limits_number_virtual_devices_across_physical():

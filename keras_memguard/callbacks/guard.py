@@ -16,7 +16,9 @@ from keras_memguard.callbacks.sampling import shared_reader
 from keras_memguard.errors import MemoryLimitUnknownError
 from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.errors import UnsupportedTrainingSetupError
+from keras_memguard.probes import region
 from keras_memguard.probes.tf_allocator import AllocatorProbe
+from keras_memguard.probes.tf_allocator import cpu_bfc_limit_bytes
 from keras_memguard.sinks import tensorboard as tb
 from keras_memguard.training import compat
 from keras_memguard.training import multi_worker
@@ -140,6 +142,12 @@ class MemoryGuard(keras.callbacks.Callback):
             `$KERAS_HOME/memguard/` and start the next `fit` of the same
             set-up from it. A corrupt or foreign file there is ignored with
             one warning. Defaults to `True`.
+        reserve_memory: When planning on TensorFlow's BFC allocator on the
+            CPU, reserve the rest of the limit in one allocator region
+            before the first batch (once per process; no memory is touched
+            until tensors use it). Without it, what fits depends on the
+            sizes of earlier batches. Nothing is reserved on a GPU.
+            Defaults to `True`.
 
     Raises:
         ValueError: If an argument is out of range.
@@ -167,6 +175,7 @@ class MemoryGuard(keras.callbacks.Callback):
         backup_dir=None,
         plan=True,
         plan_cache=True,
+        reserve_memory=True,
     ):
         super().__init__()
         self.config = policy.make_config(
@@ -185,13 +194,18 @@ class MemoryGuard(keras.callbacks.Callback):
                 f"Received: scale_learning_rate={scale_learning_rate!r}"
             )
         self.mode = mode
-        for name, value in (("plan", plan), ("plan_cache", plan_cache)):
+        for name, value in (
+            ("plan", plan),
+            ("plan_cache", plan_cache),
+            ("reserve_memory", reserve_memory),
+        ):
             if not isinstance(value, bool):
                 raise ValueError(
                     f"`{name}` must be True or False. Received: {name}={value!r}"
                 )
         self.plan = plan
         self.plan_cache = plan_cache
+        self.reserve_memory = reserve_memory
         self.planner_config = planner.make_planner_config(
             threshold=threshold,
             first_split=micro_batches if micro_batches > 1 else 8,
@@ -280,6 +294,8 @@ class MemoryGuard(keras.callbacks.Callback):
         # Several workers decide together from agreed numbers (the policy);
         # one worker plans each batch before it runs.
         self._planning = self.plan and not self._multi_worker
+        if self._planning and self.reserve_memory:
+            self._reserve_regions()
         options = {"plan": self._plan_batch} if self._planning else {}
         self._function = function_class(
             model,
@@ -402,6 +418,16 @@ class MemoryGuard(keras.callbacks.Callback):
             usage * limit,
             current_bytes=current,
         )
+
+    def _reserve_regions(self):
+        """One free region for the rest of each CPU BFC allocator's limit."""
+        probe = self._reader.probe
+        limit = cpu_bfc_limit_bytes()
+        if limit is None:
+            return
+        for device in probe.devices:
+            if probe.device_mode(device) == "bfc":
+                region.reserve_region(device, limit)
 
     def _plan_batch(self, batch_size, sample_size, data):
         """Plans the micro-batch count of the batch about to run."""

@@ -65,7 +65,7 @@ def _env_flag(name):
     return os.environ.get(name, "").strip().lower() in ("true", "1")
 
 
-def _cpu_bfc_limit_bytes():
+def cpu_bfc_limit_bytes():
     """The CPU BFC cap TensorFlow applies, or `None` when BFC is off."""
     if not _env_flag("TF_CPU_ALLOCATOR_USE_BFC"):
         return None
@@ -469,7 +469,7 @@ class AllocatorProbe:
                     f"{list(devices)}. HINT: pass `devices=` or fix the keys."
                 )
 
-        cpu_bfc_limit = _cpu_bfc_limit_bytes()
+        cpu_bfc_limit = cpu_bfc_limit_bytes()
         nvml = None
         entries = []
         for tf_device in devices:

@@ -1,0 +1,43 @@
+"""The one-region reservation of the CPU BFC allocator's limit.
+
+Its effect (a micro-batch that fits from a fresh process keeps fitting
+after smaller ones ran) is tested under a real cap in
+`tests/test_planning.py`; here: the size it asks for, once per device, and
+its argument.
+"""
+
+import pytest
+
+import keras_memguard
+from keras_memguard.probes import region
+
+MIB = 1024 * 1024
+
+
+def test_the_region_leaves_room_for_what_the_allocator_may_hold_already():
+    # 600 MiB limit, 1 MiB in use: 600 - 1 - 4 * 1 - 16 = 579 MiB.
+    assert region.region_bytes(600 * MIB, MIB, MIB) == 579 * MIB
+    # The peak so far, not only what is in use now, sizes the headroom.
+    assert region.region_bytes(600 * MIB, MIB, 50 * MIB) == 383 * MIB
+    # Whole MiB only.
+    assert region.region_bytes(600 * MIB + 12345, MIB, MIB) == 579 * MIB
+
+
+def test_no_region_when_too_little_would_be_left_to_reserve():
+    assert region.region_bytes(200 * MIB, 10 * MIB, 25 * MIB) == 74 * MIB
+    assert region.region_bytes(200 * MIB, 10 * MIB, 30 * MIB) == 0
+    assert region.region_bytes(100 * MIB, 90 * MIB, 90 * MIB) == 0
+
+
+def test_each_device_is_reserved_at_most_once_per_process(monkeypatch):
+    monkeypatch.setattr(region, "_attempted", {"CPU:0": 0})
+    assert region.reserve_region("CPU:0", 600 * MIB) == 0
+    assert region._attempted == {"CPU:0": 0}
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_reserve_memory_must_be_a_bool(value):
+    with pytest.raises(ValueError) as info:
+        keras_memguard.MemoryGuard(reserve_memory=value)
+    assert "`reserve_memory` must be True or False" in str(info.value)
+    assert repr(value) in str(info.value)
