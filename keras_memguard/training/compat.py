@@ -54,6 +54,7 @@ PRIVATE_NAMES = (
     ("tensorflow.TensorSpec", "_batch"),
     ("keras.Model", "_autoconvert_optionals"),
     ("tensorflow.core.protobuf.bfc_memory_map_pb2", "MemoryDump"),
+    ("tf.function", "_omit_frequent_tracing_warning"),
 )
 OPTIONAL_NAMES = (("keras.Model", "_autoconvert_optionals"),)
 
@@ -107,6 +108,26 @@ def _unscale_function():
 def unscale_loss_for_distribution(loss):
     """Undoes the loss scaling by replica count, as Keras' train step does."""
     return _unscale_function()(loss)
+
+
+def omit_frequent_tracing_warning(function):
+    """Keeps TensorFlow's "frequent retracing" warning off `function`.
+
+    TensorFlow counts the traces of every `tf.function` made from the same
+    code together. The guard makes one compiled step per micro-batch count
+    from one closure, each tracing at most twice (its first shapes, then the
+    shapes relaxed), so a run that uses a few counts would be warned about
+    retracing it does not do.
+
+    Args:
+        function: A `tf.function`; anything else is returned as it is.
+
+    Returns:
+        `function`.
+    """
+    if hasattr(function, "_omit_frequent_tracing_warning"):
+        function._omit_frequent_tracing_warning = True
+    return function
 
 
 def autoconvert_optionals(model, function):

@@ -391,6 +391,7 @@ def make_step_function(model, micro_batches, mode="accumulate"):
             reduce_retracing=True,
             jit_compile=model.jit_compile,
         )
+        compat.omit_frequent_tracing_warning(one_step_on_data)
     step = compat.autoconvert_optionals(model, one_step_on_data)
     if step is not one_step_on_data:
         step.compiled_step = one_step_on_data
