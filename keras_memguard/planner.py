@@ -65,6 +65,7 @@ __all__ = [
     "make_planner_config",
     "observe",
     "observe_out_of_memory",
+    "one_sample_fits",
     "plan",
     "planned_micro_batches",
     "planner_state_from_dict",
@@ -409,6 +410,35 @@ def _plan(config, state, batch_size, sample_size, limit_bytes):
         work = -(-batch_size // k) * sample_size
         return k, (fixed + slope * work) / limit_bytes, target, _SMALLER
     return k, (fixed + slope * work) / limit_bytes, target, why
+
+
+def one_sample_fits(config, state, sample_size, limit_bytes):
+    """Whether a micro-batch of one sample may fit, as far as `state` knows.
+
+    `False` when one sample's work ran out of memory before (or a smaller
+    one did), or when its predicted peak is at or above the target: no
+    micro-batch count helps then.
+
+    Args:
+        config: A `PlannerConfig`.
+        state: A `PlannerState`.
+        sample_size: Elements of one sample's inputs (> 0).
+        limit_bytes: The device memory limit in bytes (> 0).
+
+    Returns:
+        A bool; `True` while nothing says otherwise.
+
+    Example:
+
+    >>> state = observe_out_of_memory(
+    ...     make_planner_config(), init_planner_state(), 8.0, 100)
+    >>> one_sample_fits(make_planner_config(), state, 8.0, 100)
+    False
+    """
+    if state.failed_work <= sample_size:
+        return False
+    predicted = predict_peak(state, sample_size)
+    return predicted is None or predicted < _target_usage(config, state) * limit_bytes
 
 
 def _record(readings, work, peak):

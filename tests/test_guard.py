@@ -108,6 +108,8 @@ def test_single_sample_that_does_not_fit_raises_a_clear_error(capped_run):
     assert "single sample" in message
     assert "600.0 MiB" in message
     assert "mixed precision" in message
+    assert "Tried: 1 micro-batch of one sample; no rung was allowed" in message
+    assert 'escalate=("remat",)' in message
     assert peak is None or f"{peak / MIB:.1f} MiB" in message
 
 

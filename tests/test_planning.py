@@ -323,3 +323,28 @@ def test_bucketed_text_under_a_real_cap_plans_each_length_with_no_error():
         by_length.setdefault(length, set()).add(k)
     shortest, longest = min(by_length), max(by_length)
     assert min(by_length[longest]) > max(by_length[shortest]), by_length
+
+
+def test_the_remat_rung_trains_a_model_that_does_not_fit_one_sample_under_a_real_cap():
+    from keras_memguard.testing import run_with_memory_cap
+    import programs
+
+    def run():
+        return run_with_memory_cap(
+            programs.source("remat_under_cap"), memory_limit_mib=300, timeout=400
+        ).result
+
+    first, second = run(), run()
+    for result in (first, second):
+        assert result["samples"] == [2.0], result
+        assert result["rungs_on"] == ["remat"], result
+        assert result["finite"], result
+    # The first run learns it at its first batch: one sample per micro-batch
+    # runs out of memory (plain training needs 331 MiB here), the rung goes
+    # on and the batch is replayed.
+    assert first["oom_recoveries"] == 1, first
+    climbed = [m for m in first["messages"] if m.startswith("rung 'remat' on")]
+    assert len(climbed) == 1 and "ran out of memory at one sample" in climbed[0]
+    # The second climbs before its first batch, from the plan cache: no error.
+    assert second["oom_recoveries"] == 0, second
+    assert any("predicted not to fit" in m for m in second["messages"]), second

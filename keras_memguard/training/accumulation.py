@@ -32,6 +32,7 @@ import keras
 import tensorflow as tf
 
 from keras_memguard.training import compat
+from keras_memguard.training import remat
 from keras_memguard.training.splitting import first_tensor
 from keras_memguard.training.splitting import leading_size
 from keras_memguard.training.splitting import make_micro_batch
@@ -134,7 +135,13 @@ def flat_tensors(structure):
 
 
 def forward(model, x):
-    """`model(x, training=True)`, as the built-in train step calls it."""
+    """`model(x, training=True)`, as the built-in train step calls it.
+
+    With the `"remat"` rung on, the same layers in recomputed segments.
+    """
+    segments = remat.segments_of(model)
+    if segments:
+        return remat.recomputed_forward(segments, x)
     if compat.call_has_training_arg(model):
         return model(x, training=True)
     return model(x)

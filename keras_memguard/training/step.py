@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.training import compat
+from keras_memguard.training import remat
 from keras_memguard.training.accumulation import ACCUMULATED_ATTR
 from keras_memguard.training.accumulation import _micro_batch
 from keras_memguard.training.accumulation import accumulate_gradients
@@ -453,6 +454,6 @@ def step_function(model, micro_batches, mode):
     """Returns the cached compiled step of `model` for `(micro_batches, mode)`."""
     return cached_function(
         model,
-        ("train", micro_batches, mode),
+        ("train", micro_batches, mode, remat.is_on(model)),
         lambda: make_step_function(model, micro_batches, mode),
     )

@@ -1,0 +1,134 @@
+"""The "remat" rung: which models it can segment, and that it trains alike.
+
+Under a real cap (a model that does not fit one sample without it) it is
+tested in `tests/test_planning.py`.
+"""
+
+import numpy as np
+import pytest
+
+import keras
+
+import keras_memguard
+from keras_memguard import planner
+from keras_memguard.training import remat
+from keras_memguard.training import step
+
+
+def convs(count=7, **kwargs):
+    return [keras.layers.Conv2D(4, 3, padding="same", activation="relu", **kwargs)
+            for _ in range(count)]
+
+
+def sequential(extra=()):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((8, 8, 3))] + convs() + list(extra)
+        + [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(3)]
+    )
+    model.compile(
+        keras.optimizers.SGD(0.1),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def functional_chain():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 3))
+    h = inputs
+    for layer in convs():
+        h = layer(h)
+    outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(h))
+    return keras.Model(inputs, outputs)
+
+
+def test_sequential_and_functional_chains_are_cut_into_segments_of_three():
+    for model in (sequential(), functional_chain()):
+        layers, reason = remat.chain_layers(model)
+        assert reason is None
+        assert len(layers) == 9
+        assert remat.can_remat(model) is None
+
+
+def test_models_the_rung_cannot_segment_say_why():
+    inputs = keras.Input((8, 8, 3))
+    a = keras.layers.Conv2D(4, 3, padding="same")(inputs)
+    b = keras.layers.Conv2D(4, 3, padding="same")(a)
+    c = keras.layers.Conv2D(4, 3, padding="same")(keras.layers.Add()([a, b]))
+    branching = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(c)))
+    assert "previous layer's output" in remat.can_remat(branching)
+    assert "random numbers" in remat.can_remat(
+        sequential(extra=[keras.layers.Dropout(0.5)])
+    )
+    assert "moving statistics" in remat.can_remat(
+        sequential(extra=[keras.layers.BatchNormalization()])
+    )
+
+    class Own(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    inputs = keras.Input((4,))
+    own = Own(inputs, keras.layers.Dense(1)(inputs))
+    assert "`train_step` of its own" in remat.can_remat(own)
+    with pytest.raises(ValueError, match="cannot be used"):
+        remat.switch_on(own)
+
+
+def test_with_the_rung_the_step_gives_the_weights_of_plain_training():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(6, 8, 8, 3)).astype("float32")
+    y = rng.integers(0, 3, size=(6,))
+    trained = []
+    for rung in ((), ("remat",)):
+        model = sequential()
+        guard = keras_memguard.MemoryGuard(
+            memory_limit=1 << 40, plan=False, micro_batches=2, escalate=rung
+        )
+        if rung:
+            remat.switch_on(model)
+        model.fit(x, y, batch_size=6, epochs=2, verbose=0, callbacks=[guard])
+        assert remat.is_on(model) == bool(rung)
+        # The step that trained was the one compiled with the rung (or without).
+        keys = set(model.__dict__[step._CACHE_ATTR][1])
+        assert ("train", 2, "accumulate", bool(rung)) in keys
+        assert ("train", 2, "accumulate", not rung) not in keys
+        trained.append(model.get_weights())
+    for plain, recomputed in zip(*trained):
+        np.testing.assert_allclose(recomputed, plain, rtol=1e-5, atol=1e-6)
+    remat.switch_off(model)
+    assert not remat.is_on(model)
+
+
+@pytest.mark.parametrize("value", ["remat", ("jit",), None, ["remat", 3]])
+def test_escalate_must_be_a_tuple_of_known_rungs(value):
+    with pytest.raises(ValueError) as info:
+        keras_memguard.MemoryGuard(escalate=value)
+    message = str(info.value)
+    assert "`escalate` must be a tuple of rung names from ('remat',)" in message
+    assert repr(value) in message
+
+
+def test_the_planner_tells_when_one_sample_cannot_fit():
+    config = planner.make_planner_config(threshold=0.9)
+    state = planner.init_planner_state(base_bytes=10)
+    assert planner.one_sample_fits(config, state, 4.0, 100)
+    # Measured: 40 bytes at a work of 4, 70 at 8 -> 100 at 12.
+    state = planner.observe(config, state, 4.0, 100, 40)
+    state = planner.observe(config, state, 8.0, 100, 70)
+    assert planner.one_sample_fits(config, state, 8.0, 100)
+    assert not planner.one_sample_fits(config, state, 12.0, 100)
+    failed = planner.observe_out_of_memory(config, state, 6.0, 100)
+    assert not planner.one_sample_fits(config, failed, 6.0, 100)
+
+
+def test_the_error_past_the_last_rung_says_what_was_tried():
+    from keras_memguard.callbacks.guard import _too_large_message
+
+    message = _too_large_message(4, 4, 300 * 2**20, 280 * 2**20, ("remat",), ("remat",))
+    assert "Tried: 4 micro-batches of one sample, then the rungs: remat." in message
+    assert "300.0 MiB" in message and "280.0 MiB" in message
+    refused = ("remat (not possible: layer 'dropout' draws random numbers)",)
+    message = _too_large_message(1, 1, None, None, ("remat",), refused)
+    assert "then the rungs: remat (not possible: layer 'dropout'" in message
