@@ -265,6 +265,12 @@ def child_trial(config):
             step_times.append(time.perf_counter() - self._start)
 
     variant = config["variant"]
+    if config.get("reserve"):
+        from keras_memguard.probes import region
+
+        result["reserved_mib"] = (
+            region.reserve_region("CPU:0", config["cap_mib"] * MIB) / MIB
+        )
     try:
         model, named = _build("plain" if variant in AFTER_OOM else variant)
     except NotImplementedError as error:
@@ -365,6 +371,62 @@ def child_numerics(config):
     return result
 
 
+def child_guard_rung(config):
+    """Step time of `MemoryGuard`'s own step with and without its remat rung
+    (memory: the trials above).
+
+    One process, generous cap; the two variants alternate, the order
+    reversed every other round, each a `fit` of `steps` batches of one
+    sample (the first step, which compiles, left out).
+    """
+    import keras
+
+    import keras_memguard
+    from keras_memguard.training import remat
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((256, 256, 3))]
+        + [keras.layers.Conv2D(64, 3, padding="same", activation="relu")
+           for _ in range(10)]
+        + [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)]
+    )
+    model.compile(keras.optimizers.SGD(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    dataset = _dataset(config["steps"])
+    times = {"plain": [], "remat": []}
+
+    class StepTimer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.times.append(time.perf_counter() - self._start)
+
+    for round_ in range(config["rounds"]):
+        order = ("plain", "remat") if round_ % 2 == 0 else ("remat", "plain")
+        for variant in order:
+            if variant == "remat":
+                remat.switch_on(model)
+            else:
+                remat.switch_off(model)
+            timer = StepTimer()
+            timer.times = []
+            guard = keras_memguard.MemoryGuard(
+                memory_limit=1 << 40, plan=False, micro_batches=1, cooldown=10**9
+            )
+            model.fit(dataset, epochs=1, verbose=0, callbacks=[timer, guard])
+            times[variant].append(statistics.median(timer.times[1:]))
+    ratios = [r / p for r, p in zip(times["remat"], times["plain"])]
+    return {
+        "kind": "guard_rung",
+        "step_s": {v: statistics.median(t) for v, t in times.items()},
+        "ratio_median": statistics.median(ratios),
+        "ratios": ratios,
+        **_versions(),
+    }
+
+
 def child_main(config):
     import logging
 
@@ -374,6 +436,8 @@ def child_main(config):
     tf.get_logger().setLevel(logging.ERROR)
     if config["kind"] == "trial":
         out = child_trial(config)
+    elif config["kind"] == "guard_rung":
+        out = child_guard_rung(config)
     else:
         out = child_numerics(config)
     sys.stdout.write("ESCALATION_RESULT " + json.dumps(out) + "\n")
@@ -419,8 +483,9 @@ def run_child(config, cap_mib, timeout):
     return result
 
 
-def trial(variant, cap, steps, timeout):
-    config = {"kind": "trial", "variant": variant, "steps": steps}
+def trial(variant, cap, steps, timeout, reserve=False):
+    config = {"kind": "trial", "variant": variant, "steps": steps,
+              "cap_mib": cap, "reserve": reserve}
     out = run_child(config, cap, timeout)
     out["cap_mib"] = cap
     return out
@@ -446,12 +511,13 @@ def _describe(r):
     return f"{r['variant']:>15} cap={r['cap_mib']:>4} {status}{extra} ({r['wall_s']:.0f}s wall)"
 
 
-def find_threshold(low, high, steps, timeout, variant="plain", resolution=10):
+def find_threshold(low, high, steps, timeout, variant="plain", resolution=10,
+                   reserve=False):
     """Bisects the lowest cap at which `variant` trains once (one trial each)."""
     trials = []
     while high - low > resolution:
         mid = (low + high) // 2
-        r = trial(variant, mid, steps, timeout)
+        r = trial(variant, mid, steps, timeout, reserve=reserve)
         trials.append(r)
         print(_describe(r), flush=True)
         if r["status"] == "ok":
@@ -539,11 +605,28 @@ def main(argv=None):
                         help="trials run at once (each is its own capped process); "
                         "more than 1 makes step times noisier")
     parser.add_argument("--json", help="also write every raw trial here")
+    parser.add_argument("--guard-rung", action="store_true",
+                        help="only MemoryGuard's step with and without its remat "
+                        "rung: step time, one process under a 2 GiB cap")
+    parser.add_argument("--reserve", action="store_true",
+                        help="reserve the rest of the cap in one allocator region "
+                        "first, as MemoryGuard does when planning")
     args = parser.parse_args(argv)
 
+    if args.guard_rung:
+        out = run_child(
+            {"kind": "guard_rung", "steps": args.steps, "rounds": args.rounds},
+            2048, args.timeout * 10,
+        )
+        print(json.dumps(out))
+        return
+
     if args.find_threshold:
-        cap, _ = find_threshold(200, 800, args.steps, args.timeout)
-        print(f"plain trains at {cap} MiB, not {cap - 10} MiB or less (one trial each)")
+        cap, _ = find_threshold(
+            200, 800, args.steps, args.timeout, variant=args.variants[0],
+            reserve=args.reserve,
+        )
+        print(f"{args.variants[0]} trains at {cap} MiB, not {cap - 10} MiB or less (one trial each)")
         return
 
     start = time.perf_counter()
@@ -580,7 +663,7 @@ def main(argv=None):
 
     def run_one(item):
         round_index, cap, variant = item
-        r = trial(variant, cap, args.steps, args.timeout)
+        r = trial(variant, cap, args.steps, args.timeout, reserve=args.reserve)
         r["round"] = round_index
         print(_describe(r), flush=True)
         return r

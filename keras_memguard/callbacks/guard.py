@@ -106,6 +106,11 @@ class MemoryGuard(keras.callbacks.Callback):
     next validations; training's `k`, its policy and `oom_recoveries` are
     left alone.
 
+    With `escalate=("remat",)`, a batch that does not fit at one sample per
+    micro-batch is run with the forward pass in recomputed segments
+    (`keras_memguard.training.remat`); `rungs_on` lists the rungs switched
+    on.
+
     `k` and the counters persist across epochs and `fit` calls. To resume them
     with `keras.callbacks.BackupAndRestore`, give both the same directory.
 
@@ -145,8 +150,8 @@ class MemoryGuard(keras.callbacks.Callback):
             `$KERAS_HOME/memguard/` and start the next `fit` of the same
             set-up from it. A corrupt or foreign file there is ignored with
             one warning. Defaults to `True`.
-        reserve_memory: When planning on TensorFlow's BFC allocator on the
-            CPU, reserve the rest of the limit in one allocator region
+        reserve_memory: When planning (or with `escalate`) on TensorFlow's
+            BFC allocator on the CPU, reserve the rest of the limit in one allocator region
             before the first batch (once per process; no memory is touched
             until tensors use it). Without it, what fits depends on the
             sizes of earlier batches. Nothing is reserved on a GPU.
@@ -319,7 +324,9 @@ class MemoryGuard(keras.callbacks.Callback):
         # Several workers decide together from agreed numbers (the policy);
         # one worker plans each batch before it runs.
         self._planning = self.plan and not self._multi_worker
-        if self._planning and self.reserve_memory:
+        if self.reserve_memory and (self._planning or self.escalate):
+            # A rung climbed after an out-of-memory error needs it too: in a
+            # grown allocator the error leaves no piece large enough.
             self._reserve_regions()
         options = {"plan": self._plan_batch} if self._planning else {}
         self._function = function_class(
