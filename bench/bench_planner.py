@@ -1,19 +1,51 @@
 """The planner: out-of-memory errors per run, settled micro-batch, plan cost.
 
-Part 1 (child processes under a real 600 MiB cap, the 64x64x3 CNN of
-bench_guard.py): for each batch size, two runs of the same set-up in a row
-sharing one plan cache (a fresh `$KERAS_HOME`): the first starts from
-nothing, the second from the cache; then a third run started by hand at
-the best count (`MemoryGuard(plan=False, micro_batches=best_k)`, the
-baseline for time). Reported per run: out-of-memory errors, the micro-batch
-it settled on, against the best micro-batch (the largest `ceil(batch / k)`
-that plain training at that size fits), and the seconds to the end of the
-first epoch, against the run started at the best count.
+Every training figure comes from child processes under a real cap on
+TensorFlow's CPU BFC allocator (`keras_memguard.testing.memory_cap_env`).
 
-Part 2 (in process): the per-batch cost of `planner.plan` (median of
+Part "cnn" (600 MiB cap, the 64x64x3 CNN of bench_guard.py): for each batch
+size, two runs of the same set-up in a row sharing one plan cache (a fresh
+`$KERAS_HOME`): the first starts from nothing, the second from the cache,
+both with `MemoryGuard()` (which reserves the rest of the allocator's limit
+in one region before planning); then a third run started by hand at the
+best count (`MemoryGuard(plan=False, micro_batches=best_k,
+cooldown=10**9)`, the baseline for time), which reserves the region itself
+(`region.reserve_region`) since the guard does not when it does not plan.
+Reported per run: out-of-memory errors, the micro-batch counts per batch,
+the micro-batch it settled on against the best micro-batch, and the seconds
+to the end of the first epoch against the run started at the best count.
+The best micro-batch is the largest `ceil(batch / k)` not above `--best`,
+160 by default: the largest batch plain training was measured to fit under
+this cap with the region reserved (136, 147 and 160 fit; 170 and 204 run
+out of memory). Without the reservation plain training fits 136 from a
+fresh process and fails at 138, the figure used before the reservation.
+
+Part "history" (600 MiB cap, the same CNN at batch 408): one process per
+schedule of micro-batch counts, one model, one single-batch
+`model.fit(dataset.take(1))`-style fit per count, each with its own
+`MemoryGuard(plan=False, micro_batches=k, cooldown=10**9,
+reserve_memory=False)` (a guard that does not plan never reserves), with
+and without `region.reserve_region("CPU:0", 600 MiB)` before the first
+fit. Reported: whether each step ran out of memory (`oom_recoveries` of
+its guard, which replays such a batch with twice the micro-batches), above
+all the last step (k=3, 136 per micro-batch) after the history before it.
+
+Part "text" (200 MiB cap, the convolutional text classifier and the
+length-bucketed batches of `tests/programs/common.py`: batch 256, six bucket
+lengths 64 to 512 tokens, each twice, shuffled): a first and a cached second
+run with `MemoryGuard()` sharing one fresh `$KERAS_HOME` (OOMs, samples
+trained against expected, micro-batch counts per bucket length, seconds);
+then, one process each, plain training (no guard, region reserved) of one
+512-token batch at each of `--text-micro`, for the best micro-batch of the
+longest bucket.
+
+Part "cost" (in process): the per-batch cost of `planner.plan` (median of
 timed loops).
 
-    python bench/bench_planner.py [--batches 272,408,1024] [--best 136]
+    python bench/bench_planner.py [--parts cnn,history,text,cost]
+        [--batches 272,408,1024] [--best 160] [--steps 6]
+        [--schedules "3,3;8,3;16,3;32,3"] [--text-micro 128,160,192,256]
+        [--json results.json]
 """
 
 import argparse
@@ -26,47 +58,191 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
 CAP_MIB = 600
+TEXT_CAP_MIB = 200
+HISTORY_BATCH = 408
+MIB = 2**20
 MARKER = "PLANNER_RESULT "
+PARTS = ("cnn", "history", "text", "cost")
 
 
-def child(batch, batches, by_hand_k=0):
-    sys.argv = [sys.argv[0], "--child", "x"]
+def ks_callback():
+    """A callback that records `logs["micro_batches"]` per batch."""
+    import keras
+
+    class Ks(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.ks = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.ks.append(int(logs["micro_batches"]))
+
+    return Ks()
+
+
+def reserve(cap_mib):
+    """Reserves the rest of the cap in one region, as the planning guard does."""
+    import tensorflow as tf
+
+    from keras_memguard.probes import region
+
+    reserved = region.reserve_region("CPU:0", cap_mib * MIB)
+    # The region's one allocation must not count as training's peak.
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    return reserved // MIB
+
+
+def import_bench_guard():
+    # bench_guard sets an 8 GiB cap when it is not a child; this process
+    # has its cap from the parent already.
+    argv = sys.argv
+    sys.argv = [argv[0], "--child", "x"]
     sys.path.insert(0, HERE)
-    import bench_guard as bg
+    import bench_guard
 
+    sys.argv = argv
+    return bench_guard
+
+
+def child_cnn(spec):
+    bg = import_bench_guard()
     import keras_memguard
 
+    batch = spec["batch"]
     model = bg.build_model("design_cnn")
-    dataset = bg.generated_dataset("design_cnn", batch, batches)
-    if by_hand_k:
-        guard = keras_memguard.MemoryGuard(plan=False, micro_batches=by_hand_k)
+    dataset = bg.generated_dataset("design_cnn", batch, spec["steps"])
+    reserved = 0
+    if spec["by_hand_k"]:
+        reserved = reserve(CAP_MIB)
+        guard = keras_memguard.MemoryGuard(
+            plan=False, micro_batches=spec["by_hand_k"], cooldown=10**9
+        )
     else:
         guard = keras_memguard.MemoryGuard()
+    ks = ks_callback()
     start = time.perf_counter()
-    model.fit(dataset, epochs=1, verbose=0, callbacks=[guard])
-    print(MARKER + json.dumps({
-        "batch": batch,
+    model.fit(dataset, epochs=1, verbose=0, callbacks=[ks, guard])
+    seconds = time.perf_counter() - start
+    return {
         "ooms": guard.oom_recoveries,
+        "ks": ks.ks,
         "k": guard.micro_batches,
         "micro": -(-batch // guard.micro_batches),
+        "reserved_mib": reserved,
+        "seconds": round(seconds, 1),
+    }
+
+
+def child_history(spec):
+    bg = import_bench_guard()
+    import keras_memguard
+
+    batch = spec["batch"]
+    model = bg.build_model("design_cnn")
+    dataset = bg.generated_dataset("design_cnn", batch, 1)
+    reserved = reserve(CAP_MIB) if spec["reserve"] else 0
+    steps = []
+    for k in spec["schedule"]:
+        # One model for the whole schedule: the allocator's history is the
+        # point. Each step is its own single-batch fit with its own guard.
+        guard = keras_memguard.MemoryGuard(
+            plan=False, micro_batches=k, cooldown=10**9, reserve_memory=False
+        )
+        start = time.perf_counter()
+        model.fit(dataset.take(1), epochs=1, verbose=0, callbacks=[guard])
+        steps.append({
+            "k": k,
+            "micro": -(-batch // k),
+            "ooms": guard.oom_recoveries,
+            "k_after": guard.micro_batches,
+            "seconds": round(time.perf_counter() - start, 1),
+        })
+    return {"reserved_mib": reserved, "steps": steps}
+
+
+def import_text_programs():
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from programs import common
+
+    return common
+
+
+def child_text(spec):
+    common = import_text_programs()
+    import keras_memguard
+
+    dataset, order = common.bucketed_text()
+    ks = ks_callback()
+    guard = keras_memguard.MemoryGuard()
+    model = common.text_classifier(metrics=[common.SampleCount()])
+    start = time.perf_counter()
+    history = model.fit(dataset, epochs=1, verbose=0, callbacks=[ks, guard])
+    seconds = time.perf_counter() - start
+    return {
+        "ooms": guard.oom_recoveries,
+        "samples": int(history.history["samples"][-1]),
+        "expected": len(order) * common.TEXT_BATCH,
+        "batch": common.TEXT_BATCH,
+        "lengths": [int(length) for length in order],
+        "ks": ks.ks,
+        "seconds": round(seconds, 1),
+    }
+
+
+def child_text_plain(spec):
+    common = import_text_programs()
+    import tensorflow as tf
+
+    micro = spec["micro"]
+    length = common.TEXT_LENGTHS[-1]
+    model = common.text_classifier()
+    dataset, _ = common.bucketed_text(repeats=1, batch=micro, lengths=(length,))
+    reserved = reserve(TEXT_CAP_MIB)
+    start = time.perf_counter()
+    try:
+        model.fit(dataset, epochs=1, verbose=0)
+        fits = True
+    except tf.errors.ResourceExhaustedError:
+        fits = False
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    return {
+        "micro": micro,
+        "length": length,
+        "fits": fits,
+        "peak_mib": round(peak / MIB, 1) if fits else None,
+        "reserved_mib": reserved,
         "seconds": round(time.perf_counter() - start, 1),
-    }), flush=True)
+    }
 
 
-def run_child(batch, batches, keras_home, by_hand_k=0):
+CHILDREN = {
+    "cnn": child_cnn,
+    "history": child_history,
+    "text": child_text,
+    "text_plain": child_text_plain,
+}
+
+
+def run_child(spec, cap_mib, keras_home=None):
+    """Runs `spec` in a child under a `cap_mib` cap; a fresh `$KERAS_HOME`
+    unless `keras_home` is given."""
+    if keras_home is None:
+        with tempfile.TemporaryDirectory() as home:
+            return run_child(spec, cap_mib, home)
     from keras_memguard.testing import memory_cap_env
 
-    env = memory_cap_env(CAP_MIB)
+    env = memory_cap_env(cap_mib)
     env["KERAS_HOME"] = keras_home
     out = subprocess.run(
-        [sys.executable, __file__, "--child", str(batch), str(batches), str(by_hand_k)],
+        [sys.executable, __file__, "--child", json.dumps(spec)],
         env=env, capture_output=True, text=True, timeout=900,
     )
     for line in out.stdout.splitlines():
         if line.startswith(MARKER):
             return json.loads(line[len(MARKER):])
-    return {"batch": batch, "error": out.stderr[-2000:]}
+    return {"error": out.stderr[-2000:]}
 
 
 def plan_cost(rounds=7, calls=20000):
@@ -85,36 +261,152 @@ def plan_cost(rounds=7, calls=20000):
     return statistics.median(medians)
 
 
-def main():
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
-        return
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batches", default="272,408,1024")
-    parser.add_argument("--best", type=int, default=136,
-                        help="largest batch plain training fits under the cap")
-    parser.add_argument("--steps", type=int, default=6)
-    args = parser.parse_args()
-    print(f"plan() per batch: {plan_cost():.1f} us (median of 7 x 20000 calls)")
+def best_micro(batch, best):
+    """The largest `ceil(batch / k)` not above `best`, and its `k`."""
+    micro = max(-(-batch // k) for k in range(1, batch + 1) if -(-batch // k) <= best)
+    return micro, -(-batch // micro)
+
+
+def part_cnn(args, raw):
+    print(f"\n## cnn: {CAP_MIB} MiB cap, best = largest ceil(batch / k) <= {args.best}")
+    print("| batch | run | OOMs | k per batch | settled k (micro-batch) "
+          "| settled / best | seconds | / by hand |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for batch in (int(b) for b in args.batches.split(",")):
-        best = max(-(-batch // k) for k in range(1, batch + 1)
-                   if -(-batch // k) <= args.best)
-        best_k = -(-batch // best)
+        best, best_k = best_micro(batch, args.best)
         results = {}
         with tempfile.TemporaryDirectory() as home:
-            for run, k in (("first", 0), ("second", 0), ("by hand", best_k)):
-                results[run] = run_child(batch, args.steps, home, by_hand_k=k)
+            for run, k in (("first", 0), ("second (cache)", 0), ("by hand", best_k)):
+                spec = {"part": "cnn", "batch": batch, "steps": args.steps, "by_hand_k": k}
+                results[run] = run_child(spec, CAP_MIB, home)
+        raw.setdefault("cnn", {})[batch] = {"best": best, "best_k": best_k, **results}
         base = results["by hand"].get("seconds")
         for run, r in results.items():
             if "error" in r:
                 print(f"batch {batch} {run}: failed\n{r['error']}")
                 continue
-            ratio = f" ({r['seconds'] / base:.2f}x by hand)" if base else ""
+            ratio = f"{r['seconds'] / base:.2f}x" if base else "-"
+            ks = ",".join(str(k) for k in r["ks"])
             print(
-                f"batch {batch} {run} run: {r['ooms']} OOM, settled k={r['k']} "
-                f"(micro-batch {r['micro']}, {r['micro'] / best:.2f} of best "
-                f"{best}), first epoch {r['seconds']} s{ratio}"
+                f"| {batch} | {run} | {r['ooms']} | {ks} | {r['k']} ({r['micro']}) "
+                f"| {r['micro'] / best:.2f} of {best} | {r['seconds']} | {ratio} |",
+                flush=True,
             )
+
+
+def part_history(args, raw):
+    print(f"\n## history: {CAP_MIB} MiB cap, batch {HISTORY_BATCH}, one model per "
+          "process, one single-batch fit per k")
+    print("| schedule | without region | with region |")
+    print("| --- | --- | --- |")
+    for text in args.schedules.split(";"):
+        schedule = [int(k) for k in text.split(",")]
+        cells = []
+        for reserve_first in (False, True):
+            spec = {"part": "history", "batch": HISTORY_BATCH,
+                    "schedule": schedule, "reserve": reserve_first}
+            r = run_child(spec, CAP_MIB)
+            raw.setdefault("history", {}).setdefault(text, {})[
+                "with region" if reserve_first else "without region"] = r
+            if "error" in r:
+                cells.append("failed")
+                print(f"schedule {text} reserve={reserve_first}: failed\n{r['error']}")
+                continue
+            last = r["steps"][-1]
+            verdict = "OOM" if last["ooms"] else "fits"
+            steps = ", ".join(
+                f"k={s['k']} ({s['micro']}): {s['ooms']} OOM" for s in r["steps"]
+            )
+            region_text = f"; region {r['reserved_mib']} MiB" if reserve_first else ""
+            cells.append(f"last step {verdict} [{steps}{region_text}]")
+        print(f"| {text} | {cells[0]} | {cells[1]} |", flush=True)
+
+
+def part_text(args, raw):
+    print(f"\n## text: {TEXT_CAP_MIB} MiB cap, bucketed text, MemoryGuard()")
+    print("| run | OOMs | samples / expected | k per bucket length | seconds |")
+    print("| --- | --- | --- | --- | --- |")
+    runs = {}
+    with tempfile.TemporaryDirectory() as home:
+        for run in ("first", "second (cache)"):
+            r = run_child({"part": "text"}, TEXT_CAP_MIB, home)
+            runs[run] = r
+            if "error" in r:
+                print(f"text {run}: failed\n{r['error']}")
+                continue
+            per_length = {}
+            for length, k in zip(r["lengths"], r["ks"]):
+                per_length.setdefault(length, []).append(k)
+            by_length = ", ".join(
+                f"{length}: {'/'.join(str(k) for k in ks)}"
+                for length, ks in sorted(per_length.items())
+            )
+            print(f"| {run} | {r['ooms']} | {r['samples']} / {r['expected']} "
+                  f"| {by_length} | {r['seconds']} |", flush=True)
+    raw["text"] = runs
+    print("\nplain training (no guard, region reserved), one 512-token batch:")
+    plain = {}
+    for micro in (int(m) for m in args.text_micro.split(",")):
+        r = run_child({"part": "text_plain", "micro": micro}, TEXT_CAP_MIB)
+        plain[micro] = r
+        if "error" in r:
+            print(f"plain {micro}: failed\n{r['error']}")
+            continue
+        peak = f", peak {r['peak_mib']} MiB" if r["fits"] else ""
+        print(f"  micro-batch {micro}: {'fits' if r['fits'] else 'out of memory'}"
+              f"{peak} (region {r['reserved_mib']} MiB, {r['seconds']} s)", flush=True)
+    raw["text_plain"] = plain
+    fitting = [m for m, r in plain.items() if r.get("fits")]
+    for run, r in runs.items():
+        if not fitting or "ks" not in r:
+            continue
+        batch = r["batch"]
+        best, best_k = best_micro(batch, max(fitting))
+        longest = max(r["lengths"])
+        ks = [k for length, k in zip(r["lengths"], r["ks"]) if length == longest]
+        settled = -(-batch // ks[-1])
+        print(f"{run} run, longest bucket ({longest}): settled k={ks[-1]} (micro-batch "
+              f"{settled}), best k={best_k} (micro-batch {best}, the largest "
+              f"ceil({batch} / k) <= {max(fitting)}): {settled / best:.2f} of best")
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        spec = json.loads(sys.argv[2])
+        result = CHILDREN[spec["part"]](spec)
+        print(MARKER + json.dumps(result), flush=True)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated parts to run, of {','.join(PARTS)}")
+    parser.add_argument("--batches", default="272,408,1024")
+    parser.add_argument(
+        "--best", type=int, default=160,
+        help=("the largest batch plain training was measured to fit under the "
+              f"{CAP_MIB} MiB cap with the region reserved (136, 147, 160 fit; "
+              "170 and 204 do not; without the reservation it was 136)"))
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--schedules", default="3,3;8,3;16,3;32,3",
+                        help="';'-separated micro-batch count schedules (batch 408)")
+    parser.add_argument("--text-micro", default="128,160,192,256",
+                        help="micro-batch sizes of plain 512-token training")
+    parser.add_argument("--json", help="also write every raw result here")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    raw = {}
+    if "cost" in parts:
+        cost = plan_cost()
+        raw["plan_us"] = cost
+        print(f"plan() per batch: {cost:.1f} us (median of 7 x 20000 calls)", flush=True)
+    for name, part in (("cnn", part_cnn), ("history", part_history), ("text", part_text)):
+        if name in parts:
+            part(args, raw)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(raw, f, indent=1)
 
 
 if __name__ == "__main__":
