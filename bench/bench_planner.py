@@ -68,18 +68,8 @@ PARTS = ("cnn", "history", "text", "cost")
 
 
 def ks_callback():
-    """A callback that records `logs["micro_batches"]` per batch."""
-    import keras
-
-    class Ks(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.ks = []
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.ks.append(int(logs["micro_batches"]))
-
-    return Ks()
+    """A callback that records `logs["micro_batches"]` per batch (`ks`)."""
+    return import_text_programs().MicroBatchCounts()
 
 
 def reserve(cap_mib):

@@ -276,24 +276,26 @@ def test_longer_sequences_get_more_micro_batches_without_retracing_each():
     assert tracing_count(step_function(pinned, 2, "accumulate")) == 2
 
 
-# --- Under a real 600 MiB cap (one subprocess). ---
+# --- Under real caps (a subprocess per run; two runs of a program share
+# the test's `$KERAS_HOME`, so the second reads the first's plan cache). ---
 
 
-def test_under_a_real_cap_no_run_runs_out_of_memory_and_the_second_starts_from_the_cache():
+def capped_result(program, memory_limit_mib):
     from keras_memguard.testing import run_with_memory_cap
     import programs
 
-    def run():
-        return run_with_memory_cap(
-            programs.source("planning_under_cap"), memory_limit_mib=600, timeout=400
-        ).result
+    return run_with_memory_cap(
+        programs.source(program), memory_limit_mib=memory_limit_mib, timeout=400
+    ).result
 
-    first, second = run(), run()
+
+def test_under_a_real_cap_no_run_runs_out_of_memory_and_the_second_starts_from_the_cache():
+    first = capped_result("planning_under_cap", 600)
+    second = capped_result("planning_under_cap", 600)
     # Every sample exactly once, in both runs.
     assert first["samples"] == second["samples"] == [4 * 272.0]
     # The first run starts cautiously and grows from its measurements to
-    # 136 per micro-batch (the most plain training fits here is 136 to
-    # 160), with no out-of-memory error: the rest of the cap was reserved
+    # 136 per micro-batch (plain training fits 160 but not 170 here), with no out-of-memory error: the rest of the cap was reserved
     # in one allocator region first.
     assert any(m.startswith("reserved ") for m in first["messages"]), first
     assert first["ks"][0] == 8 and first["oom_recoveries"] == 0, first
@@ -305,12 +307,7 @@ def test_under_a_real_cap_no_run_runs_out_of_memory_and_the_second_starts_from_t
 
 
 def test_bucketed_text_under_a_real_cap_plans_each_length_with_no_error():
-    from keras_memguard.testing import run_with_memory_cap
-    import programs
-
-    result = run_with_memory_cap(
-        programs.source("text_under_cap"), memory_limit_mib=200, timeout=400
-    ).result
+    result = capped_result("text_under_cap", 200)
     # Plain training does not fit the longest bucket under this cap.
     assert result["plain_error"] == "ResourceExhaustedError", result
     # Every sample exactly once, no out-of-memory error.
@@ -326,15 +323,8 @@ def test_bucketed_text_under_a_real_cap_plans_each_length_with_no_error():
 
 
 def test_the_remat_rung_trains_a_model_that_does_not_fit_one_sample_under_a_real_cap():
-    from keras_memguard.testing import run_with_memory_cap
-    import programs
-
-    def run():
-        return run_with_memory_cap(
-            programs.source("remat_under_cap"), memory_limit_mib=300, timeout=400
-        ).result
-
-    first, second = run(), run()
+    first = capped_result("remat_under_cap", 300)
+    second = capped_result("remat_under_cap", 300)
     for result in (first, second):
         assert result["samples"] == [2.0], result
         assert result["rungs_on"] == ["remat"], result

@@ -48,6 +48,17 @@ class SampleCount(keras.metrics.Metric):
         return self.count * 1.0
 
 
+class MicroBatchCounts(keras.callbacks.Callback):
+    """Records the micro-batch count each batch ran with (`ks`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ks = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ks.append(int(logs["micro_batches"]))
+
+
 def collect_package_messages():
     """Returns a list that receives every keras_memguard log message (INFO up)."""
     messages = []

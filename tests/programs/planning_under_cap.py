@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import keras_memguard
 from keras_memguard.testing import emit_result
+from programs.common import MicroBatchCounts
 from programs.common import SampleCount, collect_package_messages, design_cnn
 
 BATCH = 272
@@ -32,18 +33,10 @@ def dataset():
     return tf.data.Dataset.range(STEPS).map(make)
 
 
-class Ks(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.ks = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.ks.append(int(logs["micro_batches"]))
-
 
 def guarded_run():
     messages = collect_package_messages()
-    ks = Ks()
+    ks = MicroBatchCounts()
     guard = keras_memguard.MemoryGuard()
     history = make_model().fit(dataset(), epochs=1, verbose=0, callbacks=[ks, guard])
     return {

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import keras_memguard
 from keras_memguard.testing import emit_result
+from programs.common import MicroBatchCounts
 from programs.common import SampleCount
 from programs.common import bucketed_text
 from programs.common import collect_package_messages
@@ -21,19 +22,11 @@ from programs.common import TEXT_BATCH
 from programs.common import TEXT_LENGTHS
 
 
-class Ks(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.ks = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.ks.append(int(logs["micro_batches"]))
-
 
 def main():
     messages = collect_package_messages()
     dataset, order = bucketed_text()
-    ks = Ks()
+    ks = MicroBatchCounts()
     guard = keras_memguard.MemoryGuard()
     model = text_classifier(metrics=[SampleCount()])
     history = model.fit(dataset, epochs=1, verbose=0, callbacks=[ks, guard])
