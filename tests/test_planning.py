@@ -280,12 +280,12 @@ def test_longer_sequences_get_more_micro_batches_without_retracing_each():
 # the test's `$KERAS_HOME`, so the second reads the first's plan cache). ---
 
 
-def capped_result(program, memory_limit_mib):
+def capped_result(program, memory_limit_mib, *args):
     from keras_memguard.testing import run_with_memory_cap
     import programs
 
     return run_with_memory_cap(
-        programs.source(program), memory_limit_mib=memory_limit_mib, timeout=400
+        programs.source(program, *args), memory_limit_mib=memory_limit_mib, timeout=400
     ).result
 
 
@@ -304,6 +304,17 @@ def test_under_a_real_cap_no_run_runs_out_of_memory_and_the_second_starts_from_t
     assert any(m.startswith("planning from") for m in second["messages"]), second
     assert second["oom_recoveries"] == 0, second
     assert second["ks"] == [2] * 4, second
+
+
+@pytest.mark.parametrize("batch,best", [(408, 136), (1024, 147)])
+def test_larger_batches_under_a_real_cap_settle_near_the_best_with_no_error(batch, best):
+    # "Best": the largest ceil(batch / k) plain training fits here (160 does,
+    # 170 does not): 408 -> 136 (k=3), 1024 -> 147 (k=7).
+    result = capped_result("planning_under_cap", 600, batch, 3)
+    assert result["samples"] == [3.0 * batch]
+    assert result["oom_recoveries"] == 0, result
+    settled = -(-batch // result["ks"][-1])
+    assert 0.85 * best <= settled <= best, result
 
 
 def test_bucketed_text_under_a_real_cap_plans_each_length_with_no_error():

@@ -1,13 +1,15 @@
 """The planner under a real 600 MiB cap: one guarded run of a set-up.
 
-The 64x64x3 CNN of the benchmarks at batch 272 (plain training fits 136 at
-most under this cap; tests/test_guard.py shows it failing at 256). Run
-twice by tests/test_planning.py, in two processes sharing one `$KERAS_HOME`,
-as a user runs a script twice; reports through `emit_result`.
+The 64x64x3 CNN of the benchmarks, at the batch size and for the steps
+given as arguments (default: batch 272, 4 steps). Under this cap plain
+training fits 160 samples but not 170 with the rest of the cap reserved in
+one allocator region, 136 without (tests/test_guard.py shows 256 failing).
+Run twice by tests/test_planning.py, in two processes sharing one
+`$KERAS_HOME`, as a user runs a script twice; reports through `emit_result`.
 """
 
-import numpy as np
-import keras
+import sys
+
 import tensorflow as tf
 
 import keras_memguard
@@ -15,8 +17,8 @@ from keras_memguard.testing import emit_result
 from programs.common import MicroBatchCounts
 from programs.common import SampleCount, collect_package_messages, design_cnn
 
-BATCH = 272
-STEPS = 4
+BATCH = int(sys.argv[1]) if len(sys.argv) > 1 else 272
+STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 
 
 def make_model():
@@ -30,8 +32,13 @@ def dataset():
         y = tf.random.stateless_uniform((BATCH,), seed=seed + 1, maxval=10, dtype=tf.int32)
         return x, y
 
-    return tf.data.Dataset.range(STEPS).map(make)
-
+    # As in the benchmarks: no batch prefetched beside the step. On the CPU
+    # stand-in a prefetched batch lives in the same capped allocator (on a
+    # GPU it stays in host memory).
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    options.experimental_optimization.inject_prefetch = False
+    return tf.data.Dataset.range(STEPS).map(make).with_options(options)
 
 
 def guarded_run():
