@@ -132,3 +132,34 @@ def test_the_error_past_the_last_rung_says_what_was_tried():
     refused = ("remat (not possible: layer 'dropout' draws random numbers)",)
     message = _too_large_message(1, 1, None, None, ("remat",), refused)
     assert "then the rungs: remat (not possible: layer 'dropout'" in message
+
+
+@pytest.mark.slow
+def test_keras_applications_vgg16_trains_alike_with_the_rung_and_others_say_why_not():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 32, 32, 3)).astype("float32")
+    y = np.arange(4) % 10
+    trained = []
+    for rung in (False, True):
+        keras.utils.set_random_seed(0)
+        model = keras.applications.VGG16(
+            weights=None, input_shape=(32, 32, 3), classes=10,
+            classifier_activation=None,
+        )
+        model.compile(
+            keras.optimizers.SGD(0.01),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        assert remat.can_remat(model) is None
+        if rung:
+            assert remat.switch_on(model) == 8  # 23 layers in segments of 3
+        guard = keras_memguard.MemoryGuard(
+            memory_limit=1 << 40, plan=False, micro_batches=2
+        )
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[guard])
+        trained.append(model.get_weights())
+    for plain, recomputed in zip(*trained):
+        np.testing.assert_allclose(recomputed, plain, rtol=1e-5, atol=1e-6)
+    # Residual and densely connected networks are no chain.
+    resnet = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
+    assert "does not take the previous layer's output" in remat.can_remat(resnet)
