@@ -151,9 +151,9 @@ class MemoryGuard(keras.callbacks.Callback):
             set-up from it. A corrupt or foreign file there is ignored with
             one warning. Defaults to `True`.
         reserve_memory: When planning (or with `escalate`) on TensorFlow's
-            BFC allocator on the CPU, reserve the rest of the limit in one allocator region
-            before the first batch (once per process; no memory is touched
-            until tensors use it). Without it, what fits depends on the
+            BFC allocator on the CPU, reserve the rest of the limit in one
+            allocator region before the first batch (once per process; no
+            memory is touched until tensors use it). Without it, what fits depends on the
             sizes of earlier batches. Nothing is reserved on a GPU.
             Defaults to `True`.
         escalate: Rungs the guard may climb when one sample per
@@ -161,8 +161,8 @@ class MemoryGuard(keras.callbacks.Callback):
             pass in segments of 3 layers, each recomputed in the backward
             pass (`tf.recompute_grad`), for Sequential models and functional
             chains without dropout or BatchNormalization; measured 1.04x
-            the step time and one third less memory on the CPU stand-in
-            (`bench/RESULTS.md`). The rung is switched on before the batch
+            to 1.20x the step time and a quarter less memory on the CPU
+            stand-in (`bench/RESULTS.md`). The rung is switched on before the batch
             when the planner predicts that one sample does not fit (from
             the plan cache, after an earlier run), else after the batch ran
             out of memory at one sample, which is then replayed. Defaults

@@ -5,9 +5,9 @@ forward pass in segments of `SEGMENT_LAYERS` layers, each under
 `tf.recompute_grad`: a segment keeps only its input for the backward pass
 and recomputes the rest there. Measured on the CPU stand-in
 (`bench/bench_escalation.py`, `bench/RESULTS.md` "Escalation rungs"): 10
-`Conv2D(64)` layers on 256x256x3 train at one sample under a cap one third
-lower, at 1.04x the step time, with weights bitwise equal to plain training
-after a step.
+`Conv2D(64)` layers on 256x256x3 train at one sample under 256 MiB where
+plain training needs 331 MiB, at 1.04x to 1.20x the step time, with weights
+bitwise equal to plain training after a step.
 
 Only a chain of layers can be cut into segments: a `keras.Sequential`
 model, or a functional model with one input and one output whose layers
