@@ -41,3 +41,17 @@ def test_reserve_memory_must_be_a_bool(value):
         keras_memguard.MemoryGuard(reserve_memory=value)
     assert "`reserve_memory` must be True or False" in str(info.value)
     assert repr(value) in str(info.value)
+
+
+@pytest.mark.slow
+def test_a_region_the_allocator_cannot_give_is_logged_and_not_tried_again(
+    monkeypatch, caplog
+):
+    # Twice the process's cap: the allocator refuses (after its retries).
+    monkeypatch.setattr(region, "_attempted", {})
+    limit = 2 * 8192 * MIB
+    with caplog.at_level("INFO", logger="keras_memguard"):
+        assert region.reserve_region("CPU:0", limit) == 0
+    assert region._attempted == {"CPU:0": 0}
+    assert any("could not reserve" in r.getMessage() for r in caplog.records)
+    assert region.reserve_region("CPU:0", limit) == 0
