@@ -163,3 +163,22 @@ def test_keras_applications_vgg16_trains_alike_with_the_rung_and_others_say_why_
     # Residual and densely connected networks are no chain.
     resnet = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
     assert "does not take the previous layer's output" in remat.can_remat(resnet)
+
+
+def test_a_rung_the_model_cannot_use_is_tried_once_and_training_goes_on():
+    # A limit far below any batch: every batch is planned at one sample per
+    # micro-batch, still predicted over, so the guard tries to climb; the
+    # model has dropout, so the rung is refused, once.
+    model = sequential(extra=[keras.layers.Dropout(0.5)])
+    guard = keras_memguard.MemoryGuard(
+        memory_limit=4096, escalate=("remat",), plan_cache=False
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(24, 8, 8, 3)).astype("float32")
+    y = rng.integers(0, 3, size=(24,))
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[guard])
+    assert guard.micro_batches == 4
+    assert guard.rungs_on == ()
+    assert list(guard._rungs_refused) == ["remat"]
+    assert "random numbers" in guard._rungs_refused["remat"]
+    assert not remat.is_on(model)

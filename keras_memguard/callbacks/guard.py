@@ -153,20 +153,21 @@ class MemoryGuard(keras.callbacks.Callback):
         reserve_memory: When planning (or with `escalate`) on TensorFlow's
             BFC allocator on the CPU, reserve the rest of the limit in one
             allocator region before the first batch (once per process; no
-            memory is touched until tensors use it). Without it, what fits depends on the
-            sizes of earlier batches. Nothing is reserved on a GPU.
-            Defaults to `True`.
+            memory is touched until tensors use it). Without it, what fits
+            depends on the sizes of earlier batches. Nothing is reserved on
+            a GPU. Defaults to `True`.
         escalate: Rungs the guard may climb when one sample per
             micro-batch does not fit, a tuple. `("remat",)`: run the forward
             pass in segments of 3 layers, each recomputed in the backward
             pass (`tf.recompute_grad`), for Sequential models and functional
             chains without dropout or BatchNormalization; measured 1.04x
             to 1.20x the step time and a quarter less memory on the CPU
-            stand-in (`bench/RESULTS.md`). The rung is switched on before the batch
-            when the planner predicts that one sample does not fit (from
-            the plan cache, after an earlier run), else after the batch ran
-            out of memory at one sample, which is then replayed. Defaults
-            to `()` (never).
+            stand-in (`bench/RESULTS.md`). The rung is switched on before
+            the batch when the planner predicts that one sample does not
+            fit (from the plan cache, after an earlier run), else after the
+            batch ran out of memory at one sample, which is then replayed.
+            A model the rung cannot work on is named in the error.
+            Defaults to `()` (never).
 
     Raises:
         ValueError: If an argument is out of range.
@@ -234,8 +235,10 @@ class MemoryGuard(keras.callbacks.Callback):
                 f"Received: escalate={escalate!r}"
             )
         self.escalate = tuple(escalate)
-        # The rungs tried so far, for `MicroBatchTooLargeError`'s message.
+        # The rungs switched on, and those refused with why (each rung is
+        # tried once), for `MicroBatchTooLargeError`'s message.
         self.rungs_on = ()
+        self._rungs_refused = {}
         self.planner_config = planner.make_planner_config(
             threshold=threshold,
             first_split=micro_batches if micro_batches > 1 else 8,
@@ -570,11 +573,12 @@ class MemoryGuard(keras.callbacks.Callback):
         explanation = self._explain(error, replica_batch_size, micro_batches)
         if decision.cannot_split == policy.CANNOT_SPLIT_BATCH_SIZE and self.escalate:
             self._learn_out_of_memory()
-        if (
-            decision.cannot_split == policy.CANNOT_SPLIT_BATCH_SIZE
-            and self._climb("batch %d ran out of memory at one sample per "
-                            "micro-batch" % batch_size)
-        ):
+            climbed = self._climb(
+                f"batch {batch_size} ran out of memory at one sample per micro-batch"
+            )
+        else:
+            climbed = False
+        if climbed:
             self.state = self.state._replace(oom_count=self.state.oom_count + 1)
             self._report(explanation._replace(replayed_with=micro_batches))
             self._save_state()
@@ -614,31 +618,28 @@ class MemoryGuard(keras.callbacks.Callback):
         self._save_plan()
         return new_k
 
-    def _learn_out_of_memory(self):
+    def _learn_out_of_memory(self, largest_fitting_fraction=None):
         """The planner learns that the last batch's micro-batch failed."""
         work = self._function.last_work
         if self._planning and self.planner_state is not None and work is not None:
             self.planner_state = planner.observe_out_of_memory(
-                self.planner_config, self.planner_state, work, self._plan_limit
+                self.planner_config,
+                self.planner_state,
+                work,
+                self._plan_limit,
+                largest_fitting_work=(
+                    None
+                    if largest_fitting_fraction is None
+                    else work * largest_fitting_fraction
+                ),
             )
 
     def _replan_after_out_of_memory(self, batch_size, failed_k, doubled_k, explanation):
         """The planner learns the failure and plans the replay."""
         function = self._function
-        work = function.last_work
-        if work is None or not batch_size:
+        if function.last_work is None or not batch_size:
             return doubled_k
-        self.planner_state = planner.observe_out_of_memory(
-            self.planner_config,
-            self.planner_state,
-            work,
-            self._plan_limit,
-            largest_fitting_work=(
-                None
-                if explanation.fitting_fraction is None
-                else work * explanation.fitting_fraction
-            ),
-        )
+        self._learn_out_of_memory(explanation.fitting_fraction)
         replanned = planner.plan(
             self.planner_config,
             self.planner_state,
@@ -730,11 +731,11 @@ class MemoryGuard(keras.callbacks.Callback):
         """Switches on the next rung of `escalate`; whether one was."""
         model = self.model
         for rung in self.escalate:
-            if rung in self.rungs_on:
+            if rung in self.rungs_on or rung in self._rungs_refused:
                 continue
             reason = remat.can_remat(model)
             if reason is not None:
-                self.rungs_on += (f"{rung} (not possible: {reason})",)
+                self._rungs_refused[rung] = reason
                 continue
             segments = remat.switch_on(model)
             self.rungs_on += (rung,)
@@ -767,8 +768,12 @@ class MemoryGuard(keras.callbacks.Callback):
         peak = max((s.peak_bytes or 0 for s in samples), default=0) or None
         limit = max((l or 0 for l in self._limits), default=0) or None
         if decision.cannot_split == policy.CANNOT_SPLIT_BATCH_SIZE:
+            tried = self.rungs_on + tuple(
+                f"{rung} (not possible: {reason})"
+                for rung, reason in self._rungs_refused.items()
+            )
             message = _too_large_message(
-                batch_size, micro_batches, peak, limit, self.escalate, self.rungs_on
+                batch_size, micro_batches, peak, limit, self.escalate, tried
             )
         else:
             message = cap_text
@@ -922,12 +927,12 @@ class MemoryGuard(keras.callbacks.Callback):
         )
 
 
-def _too_large_message(batch_size, micro_batches, peak, limit, escalate=(), rungs_on=()):
+def _too_large_message(batch_size, micro_batches, peak, limit, escalate=(), rungs_tried=()):
     peak_text = f"{peak / _MIB:.1f} MiB" if peak else "unknown"
     limit_text = f"{limit / _MIB:.1f} MiB" if limit else "unknown"
     tried = f" Tried: {micro_batches} micro-batch{'' if micro_batches == 1 else 'es'} of one sample"
-    if rungs_on:
-        tried += f", then the rungs: {', '.join(rungs_on)}."
+    if rungs_tried:
+        tried += f", then the rungs: {', '.join(rungs_tried)}."
     elif escalate:
         tried += "."
     else:

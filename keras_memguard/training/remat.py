@@ -111,7 +111,7 @@ def switch_off(model):
 
 def is_on(model):
     """Whether `model`'s forward pass runs in recomputed segments."""
-    return bool(model.__dict__.get(_SEGMENTS_ATTR))
+    return segments_of(model) is not None
 
 
 def segments_of(model):
