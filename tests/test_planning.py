@@ -8,6 +8,7 @@ batch would have crossed it, from the measured peaks. The real capped runs
 tests/test_planning_under_cap.py.
 """
 
+import gc
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 import keras
+import tensorflow as tf
 
 import keras_memguard
 from helpers import SampleCount
@@ -48,11 +50,23 @@ def make_cnn(seed=0):
 
 
 def make_data(n=8 * BATCH, seed=1):
+    """Batches of 64 in order, with nothing allocated beside the step.
+
+    Keras' numpy path prefetches batches on another thread (tf.data's
+    autotuned buffer grows when the machine is loaded), and on the CPU they
+    land in the same allocator as the step: the readings' baseline would
+    move in the middle of a fit. Garbage of earlier fits in this process is
+    collected first, for the same reason.
+    """
+    gc.collect()
     rng = np.random.default_rng(seed)
-    return (
-        rng.normal(size=(n, 48, 48, 3)).astype("float32"),
-        rng.normal(size=(n, 1)).astype("float32"),
-    )
+    x = rng.normal(size=(n, 48, 48, 3)).astype("float32")
+    y = rng.normal(size=(n, 1)).astype("float32")
+    options = tf.data.Options()
+    options.experimental_optimization.inject_prefetch = False
+    options.autotune.enabled = False
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    return dataset.with_options(options)
 
 
 class Peaks(keras.callbacks.Callback):
@@ -69,10 +83,10 @@ class Peaks(keras.callbacks.Callback):
 
 def batch_peak(k):
     """The steady peak of this CNN's batch of 64 at `k` micro-batches."""
-    x, y = make_data(2 * BATCH)
+    dataset = make_data(2 * BATCH)
     peaks = Peaks()
     make_cnn().fit(
-        x, y, batch_size=BATCH, epochs=2, verbose=0,
+        dataset, epochs=2, shuffle=False, verbose=0,
         callbacks=[
             keras_memguard.MemoryMonitor(), peaks,
             keras_memguard.MemoryGuard(
@@ -93,11 +107,11 @@ def limit():
 
 
 def guarded_fit(limit, epochs=1, **options):
-    x, y = make_data()
+    dataset = make_data()
     peaks = Peaks()
     guard = keras_memguard.MemoryGuard(memory_limit=limit, **options)
     history = make_cnn().fit(
-        x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+        dataset, epochs=epochs, shuffle=False, verbose=0,
         callbacks=[keras_memguard.MemoryMonitor(), peaks, guard],
     )
     return guard, peaks, history
