@@ -39,12 +39,20 @@ then, one process each, plain training (no guard, region reserved) of one
 512-token batch at each of `--text-micro`, for the best micro-batch of the
 longest bucket.
 
+Part "text_steps" (200 MiB cap, the same classifier): the guard's own step
+peak (`MemoryMonitor`'s `memory_peak_mib`) for 512-token batches of 256 at
+fixed micro-batch counts, one process per `--text-schedules` entry (a
+count per batch; `MemoryGuard(plan=False, micro_batches=k,
+cooldown=10**9)` per count, the region reserved first): what the planner
+reads for the same step after different earlier steps.
+
 Part "cost" (in process): the per-batch cost of `planner.plan` (median of
 timed loops).
 
     python bench/bench_planner.py [--parts cnn,history,text,cost]
         [--batches 272,408,1024] [--best 160] [--steps 6]
         [--schedules "3,3;8,3;16,3;32,3"] [--text-micro 128,160,192,256]
+        [--text-threshold 0.9] [--text-schedules "2,2,2;3,3,3,2,2,2;1,2,2,2"]
         [--json results.json]
 """
 
@@ -64,7 +72,7 @@ TEXT_CAP_MIB = 200
 HISTORY_BATCH = 408
 MIB = 2**20
 MARKER = "PLANNER_RESULT "
-PARTS = ("cnn", "history", "text", "cost")
+PARTS = ("cnn", "history", "text", "text_steps", "cost")
 
 
 def ks_callback():
@@ -165,7 +173,7 @@ def child_text(spec):
 
     dataset, order = common.bucketed_text()
     ks = ks_callback()
-    guard = keras_memguard.MemoryGuard()
+    guard = keras_memguard.MemoryGuard(threshold=spec.get("threshold", 0.9))
     model = common.text_classifier(metrics=[common.SampleCount()])
     start = time.perf_counter()
     history = model.fit(dataset, epochs=1, verbose=0, callbacks=[ks, guard])
@@ -207,11 +215,38 @@ def child_text_plain(spec):
     }
 
 
+def child_text_steps(spec):
+    common = import_text_programs()
+    import keras
+
+    import keras_memguard
+
+    peaks = []
+
+    class Peaks(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            peaks.append(round(logs["memory_peak_mib"], 1))
+
+    model = common.text_classifier()
+    reserved = reserve(TEXT_CAP_MIB)
+    for k in spec["schedule"]:
+        dataset, _ = common.bucketed_text(repeats=1, lengths=common.TEXT_LENGTHS[-1:])
+        guard = keras_memguard.MemoryGuard(
+            plan=False, micro_batches=k, cooldown=10**9, reserve_memory=False
+        )
+        model.fit(dataset, epochs=1, verbose=0,
+                  callbacks=[keras_memguard.MemoryMonitor(), Peaks(), guard])
+        if guard.oom_recoveries:
+            peaks[-1] = None  # replayed: the step at k ran out of memory
+    return {"schedule": spec["schedule"], "peaks_mib": peaks, "reserved_mib": reserved}
+
+
 CHILDREN = {
     "cnn": child_cnn,
     "history": child_history,
     "text": child_text,
     "text_plain": child_text_plain,
+    "text_steps": child_text_steps,
 }
 
 
@@ -313,13 +348,16 @@ def part_history(args, raw):
 
 
 def part_text(args, raw):
-    print(f"\n## text: {TEXT_CAP_MIB} MiB cap, bucketed text, MemoryGuard()")
+    print(f"\n## text: {TEXT_CAP_MIB} MiB cap, bucketed text, "
+          f"MemoryGuard(threshold={args.text_threshold})")
     print("| run | OOMs | samples / expected | k per bucket length | seconds |")
     print("| --- | --- | --- | --- | --- |")
     runs = {}
     with tempfile.TemporaryDirectory() as home:
         for run in ("first", "second (cache)"):
-            r = run_child({"part": "text"}, TEXT_CAP_MIB, home)
+            r = run_child(
+                {"part": "text", "threshold": args.text_threshold}, TEXT_CAP_MIB, home
+            )
             runs[run] = r
             if "error" in r:
                 print(f"text {run}: failed\n{r['error']}")
@@ -360,6 +398,22 @@ def part_text(args, raw):
               f"ceil({batch} / k) <= {max(fitting)}): {settled / best:.2f} of best")
 
 
+def part_text_steps(args, raw):
+    print(f"\n## text_steps: {TEXT_CAP_MIB} MiB cap, 512-token batches of 256, "
+          "the guard's step peak at fixed counts")
+    print("| counts per batch | peak per batch (MiB; - = out of memory) |")
+    print("| --- | --- |")
+    for text in args.text_schedules.split(";"):
+        schedule = [int(k) for k in text.split(",")]
+        r = run_child({"part": "text_steps", "schedule": schedule}, TEXT_CAP_MIB)
+        raw.setdefault("text_steps", {})[text] = r
+        if "error" in r:
+            print(f"schedule {text}: failed\n{r['error']}")
+            continue
+        cells = ", ".join("-" if p is None else str(p) for p in r["peaks_mib"])
+        print(f"| {text} | {cells} |", flush=True)
+
+
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         spec = json.loads(sys.argv[2])
@@ -380,6 +434,10 @@ def main():
                         help="';'-separated micro-batch count schedules (batch 408)")
     parser.add_argument("--text-micro", default="128,160,192,256",
                         help="micro-batch sizes of plain 512-token training")
+    parser.add_argument("--text-threshold", type=float, default=0.9,
+                        help="the guard's threshold in the text part")
+    parser.add_argument("--text-schedules", default="2,2,2;3,3,3,2,2,2;1,2,2,2",
+                        help="';'-separated count schedules of part text_steps")
     parser.add_argument("--json", help="also write every raw result here")
     args = parser.parse_args()
     parts = args.parts.split(",")
@@ -391,7 +449,10 @@ def main():
         cost = plan_cost()
         raw["plan_us"] = cost
         print(f"plan() per batch: {cost:.1f} us (median of 7 x 20000 calls)", flush=True)
-    for name, part in (("cnn", part_cnn), ("history", part_history), ("text", part_text)):
+    for name, part in (
+        ("cnn", part_cnn), ("history", part_history), ("text", part_text),
+        ("text_steps", part_text_steps),
+    ):
         if name in parts:
             part(args, raw)
     if args.json:
