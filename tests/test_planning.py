@@ -365,3 +365,15 @@ def test_the_remat_rung_trains_a_model_that_does_not_fit_one_sample_under_a_real
     # The second climbs before its first batch, from the plan cache: no error.
     assert second["oom_recoveries"] == 0, second
     assert any("predicted not to fit" in m for m in second["messages"]), second
+
+
+def test_past_the_last_rung_the_error_says_what_was_tried_and_no_weight_changed():
+    # 220 MiB: below what the model needs even with the rung (256 MiB).
+    result = capped_result("remat_under_cap", 220, "past")
+    assert result["rungs_on"] == ["remat"], result
+    assert result["oom_recoveries"] == 1, result  # the climb's replay
+    assert result["error"] is not None, result
+    assert "batch of 1 sample ran out of memory even at 1 micro-batch." in result["error"]
+    assert "Tried: 1 micro-batch of one sample, then the rungs: remat." in result["error"]
+    assert "memory limit: 220.0 MiB" in result["error"]
+    assert result["weights_unchanged"], result
