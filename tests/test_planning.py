@@ -1,11 +1,12 @@
-"""MemoryGuard plans each batch before it runs (in process, real fit).
+"""MemoryGuard plans each batch before it runs (real fit).
 
-The process runs under a generous BFC cap (conftest), so no out-of-memory
-error can happen here: the guard's `memory_limit` is set below what the
-whole batch needs, and the tests check that the planner splits before any
-batch would have crossed it, from the measured peaks. The real capped runs
-(zero out-of-memory errors where plain training fails) are in
-tests/test_planning_under_cap.py.
+The first tests run in this process, under the suite's generous BFC cap
+(conftest), where no out-of-memory error can happen: the guard's
+`memory_limit` is set below what the whole batch needs, and they check that
+the planner splits before any batch would have crossed it, from the
+measured peaks. The tests at the end run test programs under real caps in
+a subprocess each (zero out-of-memory errors where plain training fails,
+the plan cache across runs, the remat rung).
 """
 
 import gc
