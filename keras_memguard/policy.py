@@ -63,6 +63,7 @@ __all__ = [
     "init_eval_state",
     "init_state",
     "make_config",
+    "micro_batches_text",
     "on_eval_out_of_memory",
     "on_out_of_memory",
     "predict_usage",
@@ -446,7 +447,14 @@ def _plural(count, word):
     return f"{count} {word}" if count == 1 else f"{count} {word}es"
 
 
-def _micro(count):
+def micro_batches_text(count):
+    """`count` micro-batches in words, for log lines and error messages.
+
+    Example:
+
+    >>> micro_batches_text(1), micro_batches_text(4)
+    ('1 micro-batch', '4 micro-batches')
+    """
     return _plural(count, "micro-batch")
 
 
@@ -541,7 +549,7 @@ def decide(config, state, usage, largest_batch_size=None):
                 largest_batch_size is None
                 or config.max_micro_batches <= largest_batch_size
             ):
-                why = f"the cap of {_micro(config.max_micro_batches)} is reached"
+                why = f"the cap of {micro_batches_text(config.max_micro_batches)} is reached"
             else:
                 why = (
                     f"micro-batches of one sample are reached (batches of "
@@ -584,12 +592,12 @@ def decide(config, state, usage, largest_batch_size=None):
     release = f"release {_percent(config.release)}"
     if predicted is None or not predicted < config.release:
         if predicted is None:
-            why = f"usage at {_micro(target)} cannot be predicted"
+            why = f"usage at {micro_batches_text(target)} cannot be predicted"
         elif predicted == _INF:
-            why = f"{_micro(target)} ran out of memory before"
+            why = f"{micro_batches_text(target)} ran out of memory before"
         else:
             why = (
-                f"predicted {_percent(predicted)} at {_micro(target)} "
+                f"predicted {_percent(predicted)} at {micro_batches_text(target)} "
                 f">= {release}"
             )
         return (
@@ -599,7 +607,7 @@ def decide(config, state, usage, largest_batch_size=None):
 
     calm = state.calm_batches + 1
     calm_text = (
-        f"predicted {_percent(predicted)} at {_micro(target)} < {release}"
+        f"predicted {_percent(predicted)} at {micro_batches_text(target)} < {release}"
     )
     if calm >= config.cooldown and since >= config.cooldown:
         return (
@@ -675,7 +683,7 @@ def on_out_of_memory(config, state, batch_size=None):
                 k,
                 "hold",
                 None,
-                f"out of memory at {_micro(k)} of a batch of "
+                f"out of memory at {micro_batches_text(k)} of a batch of "
                 f"{_samples(batch_size)}",
                 CANNOT_SPLIT_BATCH_SIZE,
             ),
@@ -690,15 +698,15 @@ def on_out_of_memory(config, state, batch_size=None):
     target = _doubled(config, k, batch_size)
     if target == k:
         cap = config.max_micro_batches
-        reason = f"out of memory at the cap of {_micro(cap)}"
+        reason = f"out of memory at the cap of {micro_batches_text(cap)}"
         if k > cap:  # a restored state above a lowered cap
-            reason = f"out of memory at {_micro(k)}, above the cap of {cap}"
+            reason = f"out of memory at {micro_batches_text(k)}, above the cap of {cap}"
         return (
             Decision(k, k, "hold", None, reason, CANNOT_SPLIT_CAP),
             new_state,
         )
     return (
-        Decision(target, k, "increase", None, f"out of memory at {_micro(k)}"),
+        Decision(target, k, "increase", None, f"out of memory at {micro_batches_text(k)}"),
         new_state._replace(micro_batches=target),
     )
 
@@ -743,7 +751,7 @@ def on_eval_out_of_memory(config, eval_state, batch_size=None):
                 k,
                 "hold",
                 None,
-                f"out of memory evaluating at {_micro(k)} of a batch of "
+                f"out of memory evaluating at {micro_batches_text(k)} of a batch of "
                 f"{_samples(batch_size)}",
                 CANNOT_SPLIT_BATCH_SIZE,
             ),
@@ -756,7 +764,7 @@ def on_eval_out_of_memory(config, eval_state, batch_size=None):
                 k,
                 "hold",
                 None,
-                f"out of memory evaluating at the cap of {_micro(cap)}",
+                f"out of memory evaluating at the cap of {micro_batches_text(cap)}",
                 CANNOT_SPLIT_CAP,
             ),
             eval_state,
@@ -768,7 +776,7 @@ def on_eval_out_of_memory(config, eval_state, batch_size=None):
             k,
             "increase",
             None,
-            f"out of memory evaluating at {_micro(k)}",
+            f"out of memory evaluating at {micro_batches_text(k)}",
         ),
         eval_state._replace(
             micro_batches=target, oom_count=eval_state.oom_count + 1

@@ -671,7 +671,8 @@ class MemoryGuard(keras.callbacks.Callback):
         self.last_oom_explanation = explanation
         text = oom_explanation.describe(explanation)
         if explanation.replayed_with is not None:
-            text += f"; replaying with {_micro_batches(explanation.replayed_with)}"
+            replay = policy.micro_batches_text(explanation.replayed_with)
+            text += f"; replaying with {replay}"
         if self.log_dir is not None:
             try:
                 path = oom_explanation.write(
@@ -927,14 +928,11 @@ class MemoryGuard(keras.callbacks.Callback):
         )
 
 
-def _micro_batches(count):
-    return f"{count} micro-batch{'' if count == 1 else 'es'}"
-
-
 def _too_large_message(batch_size, micro_batches, peak, limit, escalate=(), rungs_tried=()):
     peak_text = f"{peak / _MIB:.1f} MiB" if peak else "unknown"
     limit_text = f"{limit / _MIB:.1f} MiB" if limit else "unknown"
-    tried = f" Tried: {_micro_batches(micro_batches)} of one sample"
+    counted = policy.micro_batches_text(micro_batches)
+    tried = f" Tried: {counted} of one sample"
     if rungs_tried:
         tried += f", then the rungs: {', '.join(rungs_tried)}."
     elif escalate:
@@ -947,8 +945,7 @@ def _too_large_message(batch_size, micro_batches, peak, limit, escalate=(), rung
     return (
         f"A micro-batch of a single sample does not fit in device memory: the "
         f"batch of {batch_size} sample{'' if batch_size == 1 else 's'} ran out of "
-        f"memory even at {_micro_batches(micro_batches)}. Measured peak before "
-        f"the failure: "
+        f"memory even at {counted}. Measured peak before the failure: "
         f"{peak_text}; memory limit: {limit_text}.{tried} HINT: use mixed precision "
         "(keras.mixed_precision.set_global_policy('mixed_float16')), a smaller "
         "model or input size, or a device with more memory (a larger memory "
