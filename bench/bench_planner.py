@@ -49,7 +49,7 @@ reads for the same step after different earlier steps.
 Part "cost" (in process): the per-batch cost of `planner.plan` (median of
 timed loops).
 
-    python bench/bench_planner.py [--parts cnn,history,text,cost]
+    python bench/bench_planner.py [--parts cnn,history,text,text_steps,cost]
         [--batches 272,408,1024] [--best 160] [--steps 6]
         [--schedules "3,3;8,3;16,3;32,3"] [--text-micro 128,160,192,256]
         [--text-threshold 0.9] [--text-schedules "2,2,2;3,3,3,2,2,2;1,2,2,2"]
@@ -319,13 +319,17 @@ def part_cnn(args, raw):
             )
 
 
+def count_schedules(text):
+    """`"3,3;8,3"` -> `[("3,3", [3, 3]), ("8,3", [8, 3])]`."""
+    return [(item, [int(k) for k in item.split(",")]) for item in text.split(";")]
+
+
 def part_history(args, raw):
     print(f"\n## history: {CAP_MIB} MiB cap, batch {HISTORY_BATCH}, one model per "
           "process, one single-batch fit per k")
     print("| schedule | without region | with region |")
     print("| --- | --- | --- |")
-    for text in args.schedules.split(";"):
-        schedule = [int(k) for k in text.split(",")]
+    for text, schedule in count_schedules(args.schedules):
         cells = []
         for reserve_first in (False, True):
             spec = {"part": "history", "batch": HISTORY_BATCH,
@@ -403,8 +407,7 @@ def part_text_steps(args, raw):
           "the guard's step peak at fixed counts")
     print("| counts per batch | peak per batch (MiB; - = out of memory) |")
     print("| --- | --- |")
-    for text in args.text_schedules.split(";"):
-        schedule = [int(k) for k in text.split(",")]
+    for text, schedule in count_schedules(args.text_schedules):
         r = run_child({"part": "text_steps", "schedule": schedule}, TEXT_CAP_MIB)
         raw.setdefault("text_steps", {})[text] = r
         if "error" in r:
