@@ -1,4 +1,4 @@
-"""What the planner learned, kept across runs in a small JSON file.
+"""What the decider learned, kept across runs in a small JSON file.
 
 One file per training set-up under `$KERAS_HOME/memguard/` (by default
 `~/.keras/memguard/`), named by a hash of the set-up: the model's class and
@@ -20,12 +20,12 @@ import logging
 import os
 import tempfile
 
-from keras_memguard import planner
+from keras_memguard import decider
 from keras_memguard.probes.base import warn_at_user_code
 
 logger = logging.getLogger("keras_memguard")
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2
 
 
 def cache_dir():
@@ -71,7 +71,7 @@ def path_for(key):
 
 
 def load(key, fields):
-    """The planner state stored for `key`, or `None`.
+    """The decider state stored for `key`, or `None`.
 
     Args:
         key: From `setup_key(fields)`.
@@ -80,7 +80,7 @@ def load(key, fields):
             file) and is not used.
 
     Returns:
-        A `PlannerState`, or `None` when there is no usable file (a
+        A `keras_memguard.decider.DeciderState`, or `None` when there is no usable file (a
         corrupt or foreign file warns once).
     """
     path = path_for(key)
@@ -99,7 +99,7 @@ def load(key, fields):
             raise ValueError(f"unknown format version {payload.get('version')!r}")
         if payload.get("setup") != json.loads(json.dumps(fields, default=str)):
             raise ValueError("it describes another training set-up")
-        state = planner.planner_state_from_dict(payload.get("planner"))
+        state = decider.from_dict(payload.get("decider"))
     except ValueError as error:
         _warn_ignored(path, str(error))
         return None
@@ -112,13 +112,13 @@ def save(key, fields, state):
     Args:
         key: From `setup_key(fields)`.
         fields: The set-up's description, stored beside the state.
-        state: A `PlannerState`.
+        state: A `keras_memguard.decider.DeciderState`.
     """
     folder = cache_dir()
     payload = {
         "version": CACHE_FORMAT_VERSION,
         "setup": fields,
-        "planner": planner.planner_state_to_dict(state),
+        "decider": decider.to_dict(state),
     }
     try:
         os.makedirs(folder, exist_ok=True)

@@ -11,7 +11,7 @@ import keras
 
 import keras_memguard
 from helpers import SampleCount
-from keras_memguard import planner
+from keras_memguard import decider
 from keras_memguard.callbacks.sampling import shared_reader
 from keras_memguard.testing import run_with_memory_cap
 from keras_memguard.training.replay import ReplayTrainFunction
@@ -190,7 +190,7 @@ def test_state_persists_across_fits_and_train_function_is_restored():
     assert history.history["samples"] == [200.0]
 
 
-def test_monitor_and_guard_share_one_allocator_read_per_batch():
+def test_monitor_and_guard_share_the_allocator_reads_of_each_batch():
     x, y = make_data()
     model = make_mlp()
     reader = shared_reader(model)
@@ -206,49 +206,49 @@ def test_monitor_and_guard_share_one_allocator_read_per_batch():
         x, y, batch_size=50, epochs=2, verbose=0,
         callbacks=[keras_memguard.MemoryMonitor(), keras_memguard.MemoryGuard(memory_limit=1 << 40)],
     )
-    assert len(calls) == 2 * 4
+    # Per batch: the memory in use before it (the guard plans from what is
+    # free), and its peak after it, which the monitor shares.
+    assert len(calls) == 2 * 4 * 2
 
 
 
-def test_each_batch_runs_at_the_planners_count_and_an_unchanged_plan_is_reused(
+def test_each_batch_runs_at_the_deciders_count_and_an_unchanged_plan_is_reused(
     monkeypatch,
 ):
     x, y = make_data()
     model = make_mlp()
     guard = keras_memguard.MemoryGuard(memory_limit=1 << 40, plan_cache=False)
     computed = []
-    count = planner.planned_micro_batches
+    real_plan = decider.plan
     monkeypatch.setattr(
-        planner, "planned_micro_batches", lambda *args: computed.append(args) or count(*args)
+        decider, "plan", lambda *args: computed.append(args) or real_plan(*args)
     )
     planned = []
     plan_batch = guard._plan_batch
 
     def checked_plan_batch(batch_size, sample_size, data):
         k = plan_batch(batch_size, sample_size, data)
-        fresh = planner.plan(
-            guard.planner_config, guard.planner_state, batch_size, sample_size,
-            guard._plan_limit,
+        batch = decider.Batch(
+            batch_size, sample_size, guard._before, guard.controller.limit_bytes
         )
-        planned.append((k, fresh.micro_batches))
+        planned.append((k, real_plan(guard.config, guard.state, batch)[0].micro_batches))
         return k
 
     guard._plan_batch = checked_plan_batch  # the guard hands it to its function
     model.fit(x, y, batch_size=50, epochs=2, verbose=0, callbacks=[guard])
     assert len(planned) == 8
     assert all(k == fresh for k, fresh in planned), planned
-    # The same state and batch shape: the count is not computed again.
+    # The same state, batch shape and memory in use: not computed again.
+    controller = guard.controller
     computed.clear()
     sample_size = 24.0 * 24 * 3
-    k = plan_batch(50, sample_size, None)
-    assert plan_batch(50, sample_size, None) == k
-    assert len(computed) <= 1
+    k = controller.plan(50, sample_size, 1000.0)
+    assert controller.plan(50, sample_size, 1000.0) == k
+    assert len(computed) == 1
     # A new reading makes a new state: computed afresh.
-    guard.planner_state = planner.observe(
-        guard.planner_config, guard.planner_state, 7.0, 1 << 40, 1.0
-    )
-    plan_batch(50, sample_size, None)
-    assert computed and computed[-1][1] is guard.planner_state
+    controller.observe(decider.Reading(50, k, sample_size, 0.0, float(1 << 35), float(1 << 40)))
+    controller.plan(50, sample_size, 1000.0)
+    assert len(computed) == 2 and computed[-1][1] is not computed[0][1]
 
 
 def test_other_errors_pass_through_untouched():

@@ -10,7 +10,6 @@ import pytest
 import keras
 
 import keras_memguard
-from keras_memguard import planner
 from keras_memguard.training import remat
 from keras_memguard.training import step
 
@@ -110,27 +109,14 @@ def test_escalate_must_be_a_tuple_of_known_rungs(value):
     assert repr(value) in message
 
 
-def test_the_planner_tells_when_one_sample_cannot_fit():
-    config = planner.make_planner_config(threshold=0.9)
-    state = planner.init_planner_state(base_bytes=10)
-    assert planner.one_sample_fits(config, state, 4.0, 100)
-    # Measured: 40 bytes at a work of 4, 70 at 8 -> 100 at 12.
-    state = planner.observe(config, state, 4.0, 100, 40)
-    state = planner.observe(config, state, 8.0, 100, 70)
-    assert planner.one_sample_fits(config, state, 8.0, 100)
-    assert not planner.one_sample_fits(config, state, 12.0, 100)
-    failed = planner.observe_out_of_memory(config, state, 6.0, 100)
-    assert not planner.one_sample_fits(config, failed, 6.0, 100)
-
-
 def test_the_error_past_the_last_rung_says_what_was_tried():
-    from keras_memguard.callbacks.guard import _too_large_message
+    from keras_memguard.callbacks.messages import too_large
 
-    message = _too_large_message(4, 4, 300 * 2**20, 280 * 2**20, ("remat",), ("remat",))
+    message = too_large(4, 4, 300 * 2**20, 280 * 2**20, ("remat",), ("remat",))
     assert "Tried: 4 micro-batches of one sample, then the rungs: remat." in message
     assert "300.0 MiB" in message and "280.0 MiB" in message
     refused = ("remat (not possible: layer 'dropout' draws random numbers)",)
-    message = _too_large_message(1, 1, None, None, ("remat",), refused)
+    message = too_large(1, 1, None, None, ("remat",), refused)
     assert "then the rungs: remat (not possible: layer 'dropout'" in message
 
 
@@ -179,6 +165,6 @@ def test_a_rung_the_model_cannot_use_is_tried_once_and_training_goes_on():
     model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[guard])
     assert guard.micro_batches == 4
     assert guard.rungs_on == ()
-    assert list(guard._rungs_refused) == ["remat"]
-    assert "random numbers" in guard._rungs_refused["remat"]
+    assert list(guard.controller.rungs_refused) == ["remat"]
+    assert "random numbers" in guard.controller.rungs_refused["remat"]
     assert not remat.is_on(model)

@@ -2,15 +2,18 @@
 
 import json
 import logging
+import math
 import os
 
 import keras
+import numpy as np
 
+from keras_memguard import decider
 from keras_memguard import oom_explanation
 from keras_memguard import plan_cache
-from keras_memguard import planner
-from keras_memguard import policy
 from keras_memguard.callbacks import logs_carrier
+from keras_memguard.callbacks import messages
+from keras_memguard.callbacks.controller import GuardController
 from keras_memguard.callbacks.sampling import resolve_limits
 from keras_memguard.callbacks.sampling import shared_reader
 from keras_memguard.errors import MemoryLimitUnknownError
@@ -36,7 +39,9 @@ MODES = ("accumulate", "shrink")
 RUNGS = (remat.RUNG,)
 MICRO_BATCHES_LOG_KEY = "micro_batches"
 STATE_FILE = "memguard_state.json"
-_MIB = 1024 * 1024
+STATE_FILE_VERSION = 2
+# A batch size no real batch reaches: the bound when the size is unknown.
+_UNKNOWN_BATCH_SIZE = 1 << 30
 # The scalars written per batch, in `_write_scalars`' order; the threshold
 # draws its line in the dashboard's usage chart.
 _SCALAR_TAGS = (tb.MICRO_BATCHES, tb.MICRO_BATCH_SIZE, tb.OOM_RECOVERIES, tb.THRESHOLD)
@@ -45,25 +50,29 @@ _SCALAR_TAGS = (tb.MICRO_BATCHES, tb.MICRO_BATCH_SIZE, tb.OOM_RECOVERIES, tb.THR
 class MemoryGuard(keras.callbacks.Callback):
     """Splits batches into micro-batches before device memory runs out.
 
-    The guard pulls each training batch before it runs and plans it: from
-    the peaks measured so far (the highest memory in use during each batch,
-    against the device memory limit) it predicts the batch's peak at each
-    micro-batch count `k`, taking the batch's size and shapes into account
-    (a sequence twice as long counts twice), and runs it at the smallest `k`
-    predicted to stay under `threshold` (any count, not only powers of two).
-    The first batch of a set-up it has never seen runs at 8 micro-batches
-    (or `micro_batches`, when given); the plan grows from the measurements.
-    What it learned is kept in a small JSON file under
-    `$KERAS_HOME/memguard/` (`~/.keras/memguard/` by default), so the next
-    `fit` of the same set-up starts at the right `k` (`plan_cache=False`
-    turns that off). See `keras_memguard.planner` for the memory model.
+    The guard pulls each training batch before it runs and plans it: it
+    reads the memory in use right before the batch (weights, optimizer
+    slots, the input pipeline's buffers, anything outside the step),
+    predicts the step's own demand at each micro-batch count `k` from the
+    demands measured so far (the batch's peak minus what was in use before
+    it), taking the batch's size and shapes into account (a sequence twice
+    as long counts twice), and runs it at the smallest `k` whose demand fits
+    the memory free now under `threshold` (any count, not only powers of
+    two). A count comes down again only when the lower one fits with room to
+    spare, so `k` stays steady. The first batch of a set-up it has never
+    seen runs at 8 micro-batches (or `micro_batches`, when given). What it
+    learned is kept in a small JSON file under `$KERAS_HOME/memguard/`
+    (`~/.keras/memguard/` by default), so the next `fit` of the same set-up
+    starts at the right `k` (`plan_cache=False` turns that off). See
+    `keras_memguard.decider` for the memory model.
 
     With `plan=False`, or under `MultiWorkerMirroredStrategy` (where the
-    workers must agree), the guard reacts instead: at or above `threshold`
-    it doubles `k` before the next batch; once the usage predicted at
-    `k / 2` has stayed below `release` for `cooldown` batches, it halves `k`
-    again. The input pipeline, the number of steps and the progress bar stay
-    as they are: each batch is split inside the train step.
+    workers agree on each batch's peak), the guard reacts instead: at or
+    above `threshold` it doubles `k` before the next batch; once the usage
+    predicted at `k / 2` has stayed below `release` for `cooldown` batches,
+    it halves `k` again. The input pipeline, the number of steps and the
+    progress bar stay as they are: each batch is split inside the train
+    step.
 
     In `"accumulate"` mode the gradients of the `k` micro-batches are summed,
     weighted by each one's share of the samples, and applied once: the update
@@ -71,10 +80,12 @@ class MemoryGuard(keras.callbacks.Callback):
     micro-batch is its own update (a smaller effective batch).
 
     A batch that still runs out of memory (`tf.errors.ResourceExhaustedError`)
-    is run again with twice the micro-batches, as often as needed: no sample
-    is skipped and nothing is applied twice. When a micro-batch of one sample
-    does not fit, `MicroBatchTooLargeError` is raised. Every other exception
-    passes through untouched.
+    is run again with a strictly smaller micro-batch, sized from what the
+    error says (the memory that was free, the failed allocation and the
+    largest free block): no sample is skipped and nothing is applied twice.
+    When a micro-batch of one sample does not fit, or the failed allocation
+    does not shrink with the micro-batch, `MicroBatchTooLargeError` is raised
+    at once. Every other exception passes through untouched.
 
     Each out-of-memory error is explained in one WARNING line and, with
     `log_dir`, in `<log_dir>/memguard/oom-<step>.json`: the allocation that
@@ -102,9 +113,8 @@ class MemoryGuard(keras.callbacks.Callback):
     A validation batch (during `fit`) that runs out of memory is evaluated
     in smaller slices instead, going on from the first sample not yet
     evaluated: the validation metrics are those of the whole batch. The
-    slice count (`eval_micro_batches`) doubles per error and stays for the
-    next validations; training's `k`, its policy and `oom_recoveries` are
-    left alone.
+    slice count (`eval_micro_batches`) grows per error and stays for the
+    next validations; training's `k` and `oom_recoveries` are left alone.
 
     With `escalate=("remat",)`, a batch that does not fit at one sample per
     micro-batch is run with the forward pass in recomputed segments
@@ -115,22 +125,24 @@ class MemoryGuard(keras.callbacks.Callback):
     with `keras.callbacks.BackupAndRestore`, give both the same directory.
 
     Args:
-        threshold: Peak usage (peak / limit) at or above which `k` doubles,
-            in (0, 1]. Defaults to `0.9`.
-        release: Predicted usage below which `k` may halve, in (0, 1) and
-            below `threshold`. `None` means `threshold - 0.2` (half the
-            threshold for thresholds up to 0.4). Defaults to `None`.
+        threshold: Usage (peak / limit) never planned at or above; when
+            reacting, the peak usage at which `k` doubles. In (0, 1].
+            Defaults to `0.9`.
+        release: When reacting, the predicted usage below which `k` may
+            halve, in (0, 1) and below `threshold`. `None` means
+            `threshold - 0.2` (half the threshold for thresholds up to 0.4).
+            Defaults to `None`.
         mode: `"accumulate"` or `"shrink"`. Defaults to `"accumulate"`.
         max_micro_batches: The largest `k` allowed, or `None` for no cap
             other than the batch size. Defaults to `None`.
-        cooldown: Batches the predicted usage must stay below `release`, and
-            the least number of batches between two usage-driven changes,
-            before `k` halves. Defaults to `20`.
+        cooldown: When reacting, batches the predicted usage must stay below
+            `release`, and the least number of batches between two
+            usage-driven changes, before `k` halves. Defaults to `20`.
         micro_batches: The number of micro-batches to start with, when the
             guard has no saved state (from an earlier `fit` or from
             `backup_dir`): with `plan=True`, the first batch's split when
             nothing is known (`1` means the default cautious split of 8);
-            with `plan=False`, the count until the policy changes it.
+            with `plan=False`, the count until the usage changes it.
             Defaults to `1`.
         memory_limit: Device memory limit in bytes (an int for every device,
             or a dict from TensorFlow device string to bytes). `None`
@@ -145,11 +157,11 @@ class MemoryGuard(keras.callbacks.Callback):
             `None` to keep it in memory only. Defaults to `None`.
         plan: Plan each batch before it runs (`True`), or react to each
             batch's peak after it ran (`False`: the `release`/`cooldown`
-            policy). Defaults to `True`.
-        plan_cache: Keep what the planner learned in
-            `$KERAS_HOME/memguard/` and start the next `fit` of the same
-            set-up from it. A corrupt or foreign file there is ignored with
-            one warning. Defaults to `True`.
+            rule). Defaults to `True`.
+        plan_cache: Keep what the guard learned in `$KERAS_HOME/memguard/`
+            and start the next `fit` of the same set-up from it. A corrupt
+            or foreign file there is ignored with one warning. Defaults to
+            `True`.
         reserve_memory: When planning (or with `escalate`) on TensorFlow's
             BFC allocator on the CPU, reserve the rest of the limit in one
             allocator region before the first batch (once per process; no
@@ -160,13 +172,12 @@ class MemoryGuard(keras.callbacks.Callback):
             micro-batch does not fit, a tuple. `("remat",)`: run the forward
             pass in segments of 3 layers, each recomputed in the backward
             pass (`tf.recompute_grad`), for Sequential models and functional
-            chains without dropout or BatchNormalization; measured 1.04x
-            to 1.20x the step time and a quarter less memory on the CPU
-            stand-in (`bench/RESULTS.md`). The rung is switched on before
-            the batch when the planner predicts that one sample does not
-            fit (from the plan cache, after an earlier run), else after the
-            batch ran out of memory at one sample, which is then replayed.
-            A model the rung cannot work on is named in the error.
+            chains without dropout or BatchNormalization; it trades step
+            time for memory (`bench/RESULTS.md` has the figures). The rung
+            is switched on before the batch when one sample is predicted
+            not to fit (from the plan cache, after an earlier run), else
+            after the batch ran out of memory at one sample, which is then
+            replayed. A model the rung cannot work on is named in the error.
             Defaults to `()` (never).
 
     Raises:
@@ -199,23 +210,10 @@ class MemoryGuard(keras.callbacks.Callback):
         escalate=(),
     ):
         super().__init__()
-        self.config = policy.make_config(
-            threshold=threshold,
-            release=release,
-            cooldown=cooldown,
-            max_micro_batches=max_micro_batches,
-        )
         if mode not in MODES:
-            raise ValueError(
-                f"`mode` must be one of {MODES}. Received: mode={mode!r}"
-            )
-        if not isinstance(scale_learning_rate, bool):
-            raise ValueError(
-                "`scale_learning_rate` must be True or False. "
-                f"Received: scale_learning_rate={scale_learning_rate!r}"
-            )
-        self.mode = mode
+            raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}")
         for name, value in (
+            ("scale_learning_rate", scale_learning_rate),
             ("plan", plan),
             ("plan_cache", plan_cache),
             ("reserve_memory", reserve_memory),
@@ -224,9 +222,6 @@ class MemoryGuard(keras.callbacks.Callback):
                 raise ValueError(
                     f"`{name}` must be True or False. Received: {name}={value!r}"
                 )
-        self.plan = plan
-        self.plan_cache = plan_cache
-        self.reserve_memory = reserve_memory
         if isinstance(escalate, str) or not isinstance(escalate, (tuple, list)) or any(
             rung not in RUNGS for rung in escalate
         ):
@@ -234,78 +229,102 @@ class MemoryGuard(keras.callbacks.Callback):
                 f"`escalate` must be a tuple of rung names from {RUNGS}. "
                 f"Received: escalate={escalate!r}"
             )
-        self.escalate = tuple(escalate)
-        # The rungs switched on, and those refused with why (each rung is
-        # tried once), for `MicroBatchTooLargeError`'s message.
-        self.rungs_on = ()
-        self._rungs_refused = {}
-        self.planner_config = planner.make_planner_config(
-            threshold=threshold,
-            first_split=micro_batches if micro_batches > 1 else 8,
-            max_micro_batches=max_micro_batches,
-        )
-        self.planner_state = None
-        self._planning = False
-        self._plan_key = None
-        self._plan_fields = None
-        self._plan_limit = None
-        # The last plan and what it was planned from (see `_plan_batch`).
-        self._last_plan = None
-        if memory_limit is not None:
-            AllocatorProbe(memory_limit=memory_limit)  # validates it
-        self.memory_limit = memory_limit
-        self.scale_learning_rate = scale_learning_rate
-        self.log_dir = log_dir
-        self.backup_dir = backup_dir
         validate_micro_batches(micro_batches)
+        if max_micro_batches is not None and (
+            isinstance(max_micro_batches, bool)
+            or not isinstance(max_micro_batches, int)
+            or max_micro_batches < 1
+        ):
+            raise ValueError(
+                "`max_micro_batches` must be None or an integer >= 1. "
+                f"Received: max_micro_batches={max_micro_batches!r}"
+            )
         if max_micro_batches is not None and micro_batches > max_micro_batches:
             raise ValueError(
                 "`micro_batches` must not exceed `max_micro_batches`. Received: "
                 f"micro_batches={micro_batches}, max_micro_batches={max_micro_batches}"
             )
-        self.state = policy.init_state(micro_batches)
+        self.config = decider.make_config(
+            threshold=threshold,
+            release=release,
+            cooldown=cooldown,
+            first_split=micro_batches if micro_batches > 1 else 8,
+            max_micro_batches=max_micro_batches,
+            predictive=plan,
+        )
+        if memory_limit is not None:
+            AllocatorProbe(memory_limit=memory_limit)  # validates it
+        self.mode = mode
+        self.plan = plan
+        self.plan_cache = plan_cache
+        self.reserve_memory = reserve_memory
+        self.escalate = tuple(escalate)
+        self.memory_limit = memory_limit
+        self.scale_learning_rate = scale_learning_rate
+        self.log_dir = log_dir
+        self.backup_dir = backup_dir
+        self._start_micro_batches = micro_batches
+        self.controller = GuardController(
+            self.config, micro_batches if not plan else None, self.escalate
+        )
         self._writer = tb.writer_for(log_dir) if log_dir is not None else None
         self._reader = None
+        self._limits = ()
         self._function = None
         self._carrier = None
         self._previous_inner = None
         # Whether the carrier ran this batch's bookkeeping already.
         self._contributed = False
-        # Evaluation has its own micro-batch count and counter: an
-        # evaluation batch says nothing about a training step's memory.
         self._eval_function = None
-        self.eval_state = policy.init_eval_state()
         self._base_learning_rate = None
         self._multi_worker = False
+        self._started = False
+        self._has_restored_state = False
+        self._plan_key = None
+        self._plan_fields = None
+        # Memory in use right before the batch that runs now.
+        self._before = None
         self._step = 0
         self._last_batch = -1
         self._dumps = None
         self.last_oom_explanation = None
 
     @property
+    def state(self):
+        """The decider's state (a `keras_memguard.decider.DeciderState`)."""
+        return self.controller.state
+
+    @property
     def micro_batches(self):
         """The number of micro-batches each batch is split into now."""
-        return self.state.micro_batches
+        return self.controller.state.micro_batches
 
     @property
     def oom_recoveries(self):
         """How many batches were replayed after an out-of-memory error."""
-        return self.state.oom_count
+        return self.controller.state.oom_count
 
     @property
     def eval_micro_batches(self):
         """The number of slices each validation batch is evaluated in now."""
-        return self.eval_state.micro_batches
+        return self.controller.state.eval_micro_batches
 
     @property
     def eval_oom_recoveries(self):
         """How many times validation ran out of memory and went on in slices."""
-        return self.eval_state.oom_count
+        return self.controller.state.eval_oom_count
+
+    @property
+    def rungs_on(self):
+        """The rungs of `escalate` switched on, a tuple of names."""
+        return self.controller.rungs_on
 
     def set_model(self, model):
         super().set_model(model)
         self._reader = shared_reader(model)
         self._reader.register(self, self.memory_limit)
+
+    # Keras' hooks.
 
     def on_train_begin(self, logs=None):
         model = self.model
@@ -314,37 +333,45 @@ class MemoryGuard(keras.callbacks.Callback):
         self._load_state()
         self._multi_worker = multi_worker.is_multi_worker(model.distribute_strategy)
         carrier = logs_carrier.current(model)
+        if self._multi_worker and self.config.predictive:
+            # Several workers react to agreed numbers after each batch.
+            self.config = self.config._replace(predictive=False)
+            self.controller.config = self.config
+            if not self._started and not self._has_restored_state:
+                self.controller.state = decider.init(self.config, self._start_micro_batches)
+        if not self._started and (self._multi_worker or not self.plan):
+            # No plan hook runs first: start from what is known now.
+            self.controller.start(min(l for l in self._limits if l), _gradient_bytes(model))
+            self._started = True
         if self._multi_worker:
             # Makes Keras' symbolic build and log reduction work across
             # workers; resets the train and test functions.
             multi_worker.prepare_multi_worker(model)
             logs_carrier.reinstall(model, carrier, model.train_function)
-        function_class = (
-            multi_worker.MultiWorkerTrainFunction
-            if self._multi_worker
-            else ReplayTrainFunction
-        )
-        # Several workers decide together from agreed numbers (the policy);
-        # one worker plans each batch before it runs.
-        self._planning = self.plan and not self._multi_worker
-        if self.reserve_memory and (self._planning or self.escalate):
+            self._function = multi_worker.MultiWorkerTrainFunction(
+                model,
+                micro_batches=self.micro_batches,
+                mode=self.mode,
+                on_out_of_memory=self._on_out_of_memory,
+            )
+        else:
+            self._function = ReplayTrainFunction(
+                model,
+                micro_batches=self.micro_batches,
+                mode=self.mode,
+                on_out_of_memory=self._on_out_of_memory,
+                plan=self._plan_batch,
+            )
+        if self.reserve_memory and (self.plan or self.escalate) and not self._multi_worker:
             # A rung climbed after an out-of-memory error needs it too: in a
             # grown allocator the error leaves no piece large enough.
             self._reserve_regions()
-        options = {"plan": self._plan_batch} if self._planning else {}
-        self._function = function_class(
-            model,
-            micro_batches=self.state.micro_batches,
-            mode=self.mode,
-            on_out_of_memory=self._on_out_of_memory,
-            **options,
-        )
         # The guard's function trains inside the model's logs carrier.
         self._carrier = logs_carrier.attach(model, self, self._contribute, self.params)
         self._previous_inner = self._carrier.inner
         self._carrier.inner = self._function
         self._contributed = False
-        self._apply(self.state.micro_batches)
+        self._apply(self.micro_batches)
         # The allocator's dump at an out-of-memory error explains it.
         self._dumps = oom_explanation.MemoryDumpCapture()
         self._reader.reset()
@@ -371,8 +398,67 @@ class MemoryGuard(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._last_batch = -1
 
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs[MICRO_BATCHES_LOG_KEY] = self.micro_batches
+        self._save_state()
+        self._save_plan()
+        if self._writer is not None:
+            self._writer.flush()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._contributed:
+            self._contributed = False
+            return
+        # No carrier (the train function was replaced after on_train_begin).
+        self._after_batch(batch, logs, (id(logs), batch))
+
+    def on_test_begin(self, logs=None):
+        # Only `fit`'s validation (the train function is installed then);
+        # `model.evaluate(callbacks=[guard])` runs as Keras runs it. Several
+        # replicas: Keras' own test function (slices are cut in Python).
+        if self._function is None or not ReplayTestFunction.supports(self.model):
+            return
+        self._eval_function = ReplayTestFunction(
+            self.model,
+            micro_batches=self.eval_micro_batches,
+            on_out_of_memory=self._on_eval_out_of_memory,
+        )
+        self._eval_function.install()
+
+    def on_test_end(self, logs=None):
+        if self._function is None:
+            return
+        self._restore_test_function()
+        # Validation's peak must not count as the next training batch's.
+        self._reader.reset()
+
+    # Each batch: plan before it, observe after it.
+
+    def _plan_batch(self, batch_size, sample_size, data):
+        """The count the batch about to run gets (the function's `plan`)."""
+        controller = self.controller
+        if not self._started:
+            self._start(data)
+        # Reading resets the peak: the batch's own peak is read after it.
+        self._before = before = self._in_use(self._reader.read(self, None))
+        k = controller.plan(batch_size, sample_size, before)
+        if (
+            k >= batch_size
+            and self.escalate
+            and not controller.one_sample_fits(batch_size, sample_size, before)
+            and self._climb(
+                "one sample per micro-batch is predicted not to fit a batch of "
+                f"{batch_size}"
+            )
+        ):
+            k = controller.plan(batch_size, sample_size, before)
+        if k != self._function.micro_batches:
+            self._apply(k)
+        return k
+
     def _contribute(self, logs):
-        """Decides after each train function call; adds `micro_batches`.
+        """Observes after each train function call; adds `micro_batches`.
 
         Called by the model's `LogsCarrier` before Keras hands the logs to
         the callbacks, so every callback sees the value.
@@ -383,134 +469,70 @@ class MemoryGuard(keras.callbacks.Callback):
         self._after_batch(self._last_batch + steps, logs, self._carrier.batch_key)
         self._contributed = True
 
-    def on_train_batch_end(self, batch, logs=None):
-        if self._contributed:
-            self._contributed = False
-            return
-        # No carrier (the train function was replaced after on_train_begin).
-        self._after_batch(batch, logs, (id(logs), batch))
-
     def _after_batch(self, batch, logs, key):
-        """Reads the batch's peak, asks the policy, applies its decision."""
+        """Gives the decider the batch's peak; applies a reacting change."""
         self._step += batch - self._last_batch
         self._last_batch = batch
         samples = self._reader.read(self, key)
+        peak, limit = self._peak(samples)
+        function = self._function
+        if function is not None and limit:
+            ran_with = function.micro_batches
+            before = self._before
+            if self._multi_worker:
+                # The same numbers at the same step on every worker.
+                usage, _ = multi_worker.agree_on_usage(
+                    self.model.distribute_strategy,
+                    None if peak is None else peak / limit,
+                )
+                peak = None if usage is None else usage * limit
+                before = None
+            decided = self.controller.observe(
+                decider.Reading(
+                    function.last_replica_batch_size or _UNKNOWN_BATCH_SIZE,
+                    ran_with,
+                    getattr(function, "last_sample_size", None) or 1.0,
+                    before,
+                    peak,
+                    limit,
+                )
+            )
+            if decided.changed:
+                messages.log_decision(decided, self._micro_batch_text(decided.micro_batches))
+                self._apply(decided.micro_batches)
+                self._save_state()
+        if logs is not None:
+            logs[MICRO_BATCHES_LOG_KEY] = self.micro_batches
+        if self._writer is not None:
+            self._write_scalars()
+
+    def _peak(self, samples):
+        """`(peak, limit)` of the device nearest its limit, or `(None, limit)`."""
         usage = None
-        limit = None
+        found = (None, self.controller.limit_bytes)
         for sample, device_limit in zip(samples, self._limits):
             peak = sample.peak_bytes
             if peak is None or not device_limit:
                 continue
-            device_usage = peak / device_limit
-            if usage is None or device_usage > usage:
-                usage, limit = device_usage, device_limit
-        if self._planning:
-            self._observe(samples, usage, limit)
-        else:
-            self._decide(usage, limit)
-        if logs is not None:
-            logs[MICRO_BATCHES_LOG_KEY] = self.state.micro_batches
-        if self._writer is not None:
-            self._write_scalars()
+            if usage is None or peak / device_limit > usage:
+                usage = peak / device_limit
+                found = (float(peak), float(device_limit))
+        return found
 
-    def _decide(self, usage, limit):
-        """The reactive policy: the next batch's `k` from this one's peak."""
-        if self._multi_worker:
-            # The same decision at the same step on every worker.
-            usage, _ = multi_worker.agree_on_usage(self.model.distribute_strategy, usage)
-        decision, self.state = policy.decide(
-            self.config,
-            self.state,
-            usage,
-            largest_batch_size=self._function.largest_replica_batch_size or None,
-        )
-        if decision.changed:
-            self._announce(decision, limit)
-            self._apply(decision.micro_batches)
-            self._save_state()
-
-    # Planning.
-
-    def _observe(self, samples, usage, limit):
-        """Gives the planner the peak of the batch that just ran.
-
-        A reading that teaches the planner nothing new leaves
-        `planner_state` the same object, so the next plan is reused.
-        """
-        work = self._function.last_work
-        if usage is None or work is None or self.planner_state is None:
-            return
-        current = None
+    def _in_use(self, samples):
+        """Memory in use on the device planned against, or `None`."""
+        limit = self.controller.limit_bytes
+        in_use = None
         for sample, device_limit in zip(samples, self._limits):
-            device_current = sample.current_bytes
-            if device_limit == limit and device_current is not None:
-                current = max(current or 0, device_current)
-        self.planner_state = planner.observe(
-            self.planner_config,
-            self.planner_state,
-            work,
-            limit,
-            usage * limit,
-            current_bytes=current,
-        )
+            if device_limit == limit and sample.current_bytes is not None:
+                in_use = max(in_use or 0.0, float(sample.current_bytes))
+        return in_use
 
-    def _reserve_regions(self):
-        """One free region for the rest of each CPU BFC allocator's limit."""
-        probe = self._reader.probe
-        limit = cpu_bfc_limit_bytes()
-        if limit is None:
-            return
-        for device in probe.devices:
-            if probe.device_mode(device) == "bfc":
-                region.reserve_region(device, limit)
-
-    def _plan_batch(self, batch_size, sample_size, data):
-        """Plans the micro-batch count of the batch about to run."""
-        if self.planner_state is None:
-            self._start_planner(data)
-        # The planner is pure over immutable values: while the state is the
-        # same object (no new reading, no out-of-memory error) and the batch
-        # the same shape, the count is the same. The reason's text is built
-        # only for a change.
-        config = self.planner_config
-        state = self.planner_state
-        key = (batch_size, sample_size, self._plan_limit)
-        last = self._last_plan
-        if last is not None and last[0] is state and last[1] is config and last[2] == key:
-            k = last[3]
-        else:
-            k = planner.planned_micro_batches(config, state, *key)
-            self._last_plan = (state, config, key, k)
-        if (
-            k >= batch_size
-            and self.escalate
-            and not planner.one_sample_fits(config, state, sample_size, self._plan_limit)
-            and self._climb(
-                "one sample per micro-batch is predicted not to fit a batch of "
-                f"{batch_size}"
-            )
-        ):
-            return self._plan_batch(batch_size, sample_size, data)
-        if k != self.state.micro_batches:
-            decided = planner.plan(config, state, *key)
-            logger.info(
-                "planned k=%d for batch %d: %s (micro-batch %d)",
-                k,
-                batch_size,
-                decided.reason,
-                -(-batch_size // k),
-            )
-            self.state = self.state._replace(
-                micro_batches=k, batches_since_change=0, calm_batches=0
-            )
-            self._apply(k)
-        return k
-
-    def _start_planner(self, data):
-        """Starts the planner, from the plan cache when it has this set-up."""
-        self._plan_limit = min(l for l in self._limits if l)
+    def _start(self, data):
+        """Starts the decider for this `fit`: limit, fixed bytes, plan cache."""
+        limit = min(l for l in self._limits if l)
         state = None
-        if self.plan_cache:
+        if self.plan and self.plan_cache and not self._has_restored_state:
             self._plan_fields = describe_setup(
                 self.model, data, self._reader.probe.devices, self._limits, self.mode
             )
@@ -523,134 +545,73 @@ class MemoryGuard(keras.callbacks.Callback):
                     "" if len(state.readings) == 1 else "s",
                     plan_cache.path_for(self._plan_key),
                 )
-        self.planner_state = state or planner.init_planner_state(
-            limit_bytes=self._plan_limit
-        )
+        self.controller.start(limit, _gradient_bytes(self.model), state)
+        self._started = True
 
-    def _save_plan(self):
-        if self._planning and self._plan_key and self.planner_state is not None:
-            plan_cache.save(self._plan_key, self._plan_fields, self.planner_state)
-
-    def on_epoch_end(self, epoch, logs=None):
-        if logs is not None:
-            logs[MICRO_BATCHES_LOG_KEY] = self.state.micro_batches
-        self._save_state()
-        self._save_plan()
-        if self._writer is not None:
-            self._writer.flush()
-
-    def on_test_begin(self, logs=None):
-        # Only `fit`'s validation (the train function is installed then);
-        # `model.evaluate(callbacks=[guard])` runs as Keras runs it. Several
-        # replicas: Keras' own test function (slices are cut in Python).
-        if self._function is None or not ReplayTestFunction.supports(self.model):
-            return
-        self._eval_function = ReplayTestFunction(
-            self.model,
-            micro_batches=self.eval_state.micro_batches,
-            on_out_of_memory=self._on_eval_out_of_memory,
-        )
-        self._eval_function.install()
-
-    def on_test_end(self, logs=None):
-        if self._function is None:
-            return
-        self._restore_test_function()
-        # Validation's peak must not count as the next training batch's.
-        self._reader.reset()
-
-    # The out-of-memory replay.
+    # Out of memory.
 
     def _on_out_of_memory(self, batch_size, micro_batches, error):
         """Chooses the micro-batch count to replay a batch with, or raises."""
+        function = self._function
         # Each replica splits its own part of the (global) batch.
-        replica_batch_size = self._function.last_replica_batch_size or batch_size
-        decision, state = policy.on_out_of_memory(
-            self.config,
-            self.state._replace(micro_batches=micro_batches),
-            replica_batch_size or None,
-        )
+        replica_batch_size = function.last_replica_batch_size or batch_size
         explanation = self._explain(error, replica_batch_size, micro_batches)
-        if decision.cannot_split == policy.CANNOT_SPLIT_BATCH_SIZE and self.escalate:
-            self._learn_out_of_memory()
-            climbed = self._climb(
+        limit = self.controller.limit_bytes or explanation.limit_bytes
+        if not self._started:
+            self.controller.start(limit, _gradient_bytes(self.model))
+            self._started = True
+        decided = self.controller.fail(
+            decider.Failure(
+                replica_batch_size or _UNKNOWN_BATCH_SIZE,
+                micro_batches,
+                getattr(function, "last_sample_size", None) or 1.0,
+                self._before,
+                self.controller.limit_bytes,
+                explanation.in_use_bytes,
+                explanation.failed_allocation_bytes,
+                explanation.failed_shape,
+                explanation.largest_free_chunk_bytes,
+            )
+        )
+        if (
+            decided.cannot_split == decider.CANNOT_SPLIT_BATCH_SIZE
+            and self.escalate
+            and self._climb(
                 f"batch {batch_size} ran out of memory at one sample per micro-batch"
             )
-        else:
-            climbed = False
-        if climbed:
-            self.state = self.state._replace(oom_count=self.state.oom_count + 1)
+        ):
+            self.controller.count_replay()
+            self.controller.set_micro_batches(micro_batches)
             self._report(explanation._replace(replayed_with=micro_batches))
             self._save_state()
             return micro_batches
-        if decision.cannot_split:
+        if decided.cannot_split:
             self._report(explanation)
-            raise self._cannot_split_error(
-                decision,
-                batch_size,
-                micro_batches,
-                cap_text=(
-                    f"Out of memory at {micro_batches} micro-batches, the cap set "
-                    f"by `max_micro_batches`; the batch of {batch_size} samples "
-                    "cannot be split further. HINT: raise `max_micro_batches` or "
-                    "lower the batch size."
-                ),
-            ) from error
-        new_k = decision.micro_batches
-        if self._planning and self.planner_state is not None:
-            new_k = self._replan_after_out_of_memory(
-                replica_batch_size, micro_batches, new_k, explanation
-            )
-            state = state._replace(micro_batches=new_k)
-        self.state = state
+            raise self._cannot_split_error(decided, batch_size, micro_batches) from error
+        new_k = decided.micro_batches
         self._report(explanation._replace(replayed_with=new_k))
-        logger.info(
-            "out of memory at %d micro-batch%s of a batch of %d: replaying it "
-            "with %d micro-batches (micro-batch %s)",
-            micro_batches,
-            "" if micro_batches == 1 else "es",
-            batch_size,
-            new_k,
-            self._micro_batch_text(new_k),
-        )
+        messages.log_replay(batch_size, micro_batches, new_k, self._micro_batch_text(new_k))
         self._apply(new_k)
         self._save_state()
         self._save_plan()
         return new_k
 
-    def _learn_out_of_memory(self, largest_fitting_fraction=None):
-        """The planner learns that the last batch's micro-batch failed."""
-        work = self._function.last_work
-        if self._planning and self.planner_state is not None and work is not None:
-            self.planner_state = planner.observe_out_of_memory(
-                self.planner_config,
-                self.planner_state,
-                work,
-                self._plan_limit,
-                largest_fitting_work=(
-                    None
-                    if largest_fitting_fraction is None
-                    else work * largest_fitting_fraction
-                ),
-            )
+    def _on_eval_out_of_memory(self, batch_size, micro_batches, error):
+        """Chooses the slice count to go on evaluating with, or raises.
 
-    def _replan_after_out_of_memory(self, batch_size, failed_k, doubled_k, explanation):
-        """The planner learns the failure and plans the replay."""
-        function = self._function
-        if function.last_work is None or not batch_size:
-            return doubled_k
-        self._learn_out_of_memory(explanation.fitting_fraction)
-        replanned = planner.plan(
-            self.planner_config,
-            self.planner_state,
-            batch_size,
-            function.last_sample_size,
-            self._plan_limit,
-        ).micro_batches
-        # Never the count that failed, nor fewer; within the policy's cap.
-        new_k = max(replanned, failed_k + 1)
-        cap = self.config.max_micro_batches
-        return min(new_k, batch_size, cap or new_k)
+        Only evaluation's count changes; training's `k` and
+        `oom_recoveries` stay as they are.
+        """
+        decided = self.controller.fail_evaluation(batch_size or 1, micro_batches)
+        if decided.cannot_split:
+            raise self._cannot_split_error(
+                decided, batch_size, micro_batches, evaluating=True
+            ) from error
+        new_k = decided.micro_batches
+        done = self._eval_function.samples_done if self._eval_function else 0
+        messages.log_eval_slices(batch_size, micro_batches, done, new_k, self.micro_batches)
+        self._save_state()
+        return new_k
 
     def _explain(self, error, batch_size, micro_batches):
         """Why the batch ran out of memory, from the allocator's dump."""
@@ -671,7 +632,7 @@ class MemoryGuard(keras.callbacks.Callback):
         self.last_oom_explanation = explanation
         text = oom_explanation.describe(explanation)
         if explanation.replayed_with is not None:
-            replay = policy.micro_batches_text(explanation.replayed_with)
+            replay = decider.micro_batches_text(explanation.replayed_with)
             text += f"; replaying with {replay}"
         if self.log_dir is not None:
             try:
@@ -683,104 +644,49 @@ class MemoryGuard(keras.callbacks.Callback):
                 text += f" (not written: {write_error})"
         logger.warning("%s", text)
 
-    def _on_eval_out_of_memory(self, batch_size, micro_batches, error):
-        """Chooses the slice count to go on evaluating with, or raises.
-
-        Only evaluation's count changes; training's `k`, the policy state
-        and `oom_recoveries` stay as they are.
-        """
-        decision, eval_state = policy.on_eval_out_of_memory(
-            self.config,
-            self.eval_state._replace(micro_batches=micro_batches),
-            batch_size or None,
-        )
-        if decision.cannot_split:
-            raise self._cannot_split_error(
-                decision,
-                batch_size,
-                micro_batches,
-                cap_text=(
-                    f"Out of memory evaluating at {micro_batches} micro-batches, "
-                    "the cap set by `max_micro_batches`; the validation batch of "
-                    f"{batch_size} samples cannot be split further. HINT: raise "
-                    "`max_micro_batches` or lower `validation_batch_size`."
-                ),
-                prefix="Validation: ",
-            ) from error
-        self.eval_state = eval_state
-        new_k = eval_state.micro_batches
-        done = self._eval_function.samples_done if self._eval_function else 0
-        logger.info(
-            "out of memory evaluating a validation batch of %d at %d "
-            "micro-batch%s: going on from sample %d with %d micro-batches "
-            "(micro-batch %d); training keeps %d micro-batch%s",
-            batch_size,
-            micro_batches,
-            "" if micro_batches == 1 else "es",
-            done,
-            new_k,
-            -(-batch_size // new_k),
-            self.state.micro_batches,
-            "" if self.state.micro_batches == 1 else "es",
-        )
-        self._save_state()
-        return new_k
+    def _cannot_split_error(self, decided, batch_size, micro_batches, evaluating=False):
+        """The `MicroBatchTooLargeError` for a batch no count can help."""
+        samples = self._reader.read(self, None)
+        peak = max((s.peak_bytes or 0 for s in samples), default=0) or None
+        limit = max((l or 0 for l in self._limits), default=0) or None
+        prefix = "Validation: " if evaluating else ""
+        if decided.cannot_split == decider.CANNOT_SPLIT_BATCH_SIZE:
+            controller = self.controller
+            tried = controller.rungs_on + tuple(
+                f"{rung} (not possible: {reason})"
+                for rung, reason in controller.rungs_refused.items()
+            )
+            message = messages.too_large(
+                batch_size, micro_batches, peak, limit, self.escalate, tried
+            )
+        elif decided.cannot_split == decider.CANNOT_SPLIT_ALLOCATION:
+            message = messages.allocation_does_not_shrink(
+                decided.reason, batch_size, peak, limit
+            )
+        else:
+            message = messages.cap_reached(micro_batches, batch_size, evaluating)
+        return MicroBatchTooLargeError(prefix + message, peak_bytes=peak, limit_bytes=limit)
 
     # Escalation.
 
     def _climb(self, why):
         """Switches on the next rung of `escalate`; whether one was."""
         model = self.model
-        for rung in self.escalate:
-            if rung in self.rungs_on or rung in self._rungs_refused:
-                continue
-            reason = remat.can_remat(model)
-            if reason is not None:
-                self._rungs_refused[rung] = reason
-                continue
-            segments = remat.switch_on(model)
-            self.rungs_on += (rung,)
-            logger.info(
-                "rung %r on: %s; the forward pass now runs in %d recomputed "
-                "segments of up to %d layers",
-                rung,
-                why,
-                segments,
-                remat.SEGMENT_LAYERS,
-            )
-            if self._planning:
-                # What was learned holds for the step without the rung: kept
-                # in the cache (a next run climbs before its first batch),
-                # and the planner starts over for the step with it.
-                self._save_plan()
-                self._plan_key = None
-                self.planner_state = planner.init_planner_state(
-                    limit_bytes=self._plan_limit
-                )
-                self._last_plan = None
-            return True
-        return False
+        rung = self.controller.next_rung(lambda rung: remat.can_remat(model))
+        if rung is None:
+            return False
+        segments = remat.switch_on(model)
+        messages.log_rung(rung, why, segments, remat.SEGMENT_LAYERS)
+        if self.plan:
+            # What was learned holds for the step without the rung: kept
+            # in the cache (a next run climbs before its first batch), and
+            # the model starts over for the step with it.
+            self._save_plan()
+            self._plan_key = None
+            self.controller.restart_model()
+        return True
 
     # Helpers.
-
-    def _cannot_split_error(self, decision, batch_size, micro_batches, cap_text, prefix=""):
-        """The `MicroBatchTooLargeError` for a batch the policy cannot split."""
-        samples = self._reader.read(self, None)
-        peak = max((s.peak_bytes or 0 for s in samples), default=0) or None
-        limit = max((l or 0 for l in self._limits), default=0) or None
-        if decision.cannot_split == policy.CANNOT_SPLIT_BATCH_SIZE:
-            tried = self.rungs_on + tuple(
-                f"{rung} (not possible: {reason})"
-                for rung, reason in self._rungs_refused.items()
-            )
-            message = _too_large_message(
-                batch_size, micro_batches, peak, limit, self.escalate, tried
-            )
-        else:
-            message = cap_text
-        return MicroBatchTooLargeError(
-            prefix + message, peak_bytes=peak, limit_bytes=limit
-        )
 
     def _restore_test_function(self):
         if self._eval_function is not None:
@@ -793,28 +699,24 @@ class MemoryGuard(keras.callbacks.Callback):
             or isinstance(model, MemGuardMixin)
         )
         if not trains_with_default_step:
-            raise UnsupportedTrainingSetupError(
-                f"MemoryGuard cannot micro-batch {type(model).__name__}: its own "
-                "`train_step` does not use keras_memguard's machinery. HINT: "
-                "mix `keras_memguard.MemGuardMixin` into the class "
-                f"(`class {type(model).__name__}(MemGuardMixin, ...)`) and build "
-                "the override on `self.accumulate_gradients(...)`."
-            )
+            raise UnsupportedTrainingSetupError(messages.own_train_step(type(model).__name__))
 
     def _resolve_limits(self):
         probe = self._reader.probe
         limits = resolve_limits(probe, self.memory_limit)
         if not any(limits):
-            raise MemoryLimitUnknownError(
-                "MemoryGuard cannot tell how close training is to running out of "
-                f"memory: no memory limit is known for {', '.join(probe.devices)}. "
-                "HINT: pass `memory_limit=<bytes>` to MemoryGuard, configure a "
-                "logical device with a `memory_limit` "
-                "(tf.config.set_logical_device_configuration), or on the CPU set "
-                "TF_CPU_ALLOCATOR_USE_BFC=true and TF_CPU_BFC_MEM_LIMIT_IN_MB "
-                "before TensorFlow is imported."
-            )
+            raise MemoryLimitUnknownError(messages.memory_limit_unknown(probe.devices))
         return limits
+
+    def _reserve_regions(self):
+        """One free region for the rest of each CPU BFC allocator's limit."""
+        probe = self._reader.probe
+        limit = cpu_bfc_limit_bytes()
+        if limit is None:
+            return
+        for device in probe.devices:
+            if probe.device_mode(device) == "bfc":
+                region.reserve_region(device, limit)
 
     def _apply(self, micro_batches):
         """Makes the next batch run with `micro_batches` micro-batches."""
@@ -828,11 +730,7 @@ class MemoryGuard(keras.callbacks.Callback):
     def _scale_learning_rate(self, micro_batches):
         learning_rate = self.model.optimizer.learning_rate
         if compat.learning_rate_variable(self.model.optimizer) is None:
-            raise UnsupportedTrainingSetupError(
-                "`scale_learning_rate=True` needs a float learning rate; this "
-                "optimizer uses a schedule. HINT: scale the schedule yourself "
-                "or pass scale_learning_rate=False."
-            )
+            raise UnsupportedTrainingSetupError(messages.learning_rate_schedule())
         if self._base_learning_rate is None:
             self._base_learning_rate = float(learning_rate)
         self.model.optimizer.learning_rate.assign(self._base_learning_rate / micro_batches)
@@ -850,45 +748,28 @@ class MemoryGuard(keras.callbacks.Callback):
 
     def _micro_batch_text(self, micro_batches):
         size = self._micro_batch_size(micro_batches)
+        if size is None:
+            return None
         function = self._function
-        if function and function.last_replica_batch_size != function.last_batch_size:
+        if function.last_replica_batch_size != function.last_batch_size:
             return f"{size} per replica"
         return f"{size}"
 
-    def _announce(self, decision, limit):
-        reason = decision.reason
-        if decision.action == "increase" and decision.usage is not None and limit:
-            reason = (
-                f"peak {decision.usage:.0%} of {limit / _MIB:.0f} MiB "
-                f">= {self.config.threshold:.0%}"
-            )
-        micro = ""
-        if self._micro_batch_size(decision.micro_batches):
-            micro = f" (micro-batch {self._micro_batch_text(decision.micro_batches)})"
-        logger.info(
-            "%s: micro-batches %d -> %d%s",
-            reason,
-            decision.previous_micro_batches,
-            decision.micro_batches,
-            micro,
-        )
-
     def _write_scalars(self):
         """Queues the batch's row; the writer's thread encodes it."""
-        state = self.state
-        k = state.micro_batches
-        function = self._function
-        size = function.last_replica_batch_size if function else None
+        k = self.micro_batches
         self._writer.write_values(
             self._step,
             _SCALAR_TAGS,
             (
                 k,
-                -(-size // k) if size else None,  # `_micro_batch_size(k)`
-                state.oom_count,
+                self._micro_batch_size(k),
+                self.oom_recoveries,
                 self.config.threshold,
             ),
         )
+
+    # What is kept.
 
     def _state_path(self):
         return os.path.join(self.backup_dir, STATE_FILE)
@@ -898,15 +779,10 @@ class MemoryGuard(keras.callbacks.Callback):
             return
         os.makedirs(self.backup_dir, exist_ok=True)
         payload = {
-            "policy": policy.state_to_dict(self.state),
+            "version": STATE_FILE_VERSION,
+            "decider": self.controller.to_dict(),
             "step": self._step,
-            "eval": {
-                "micro_batches": self.eval_state.micro_batches,
-                "oom_count": self.eval_state.oom_count,
-            },
         }
-        if self.planner_state is not None:
-            payload["planner"] = planner.planner_state_to_dict(self.planner_state)
         tmp = self._state_path() + ".tmp"
         with open(tmp, "w") as f:
             json.dump(payload, f)
@@ -917,37 +793,28 @@ class MemoryGuard(keras.callbacks.Callback):
             return
         with open(self._state_path()) as f:
             payload = json.load(f)
-        self.state = policy.state_from_dict(payload["policy"])
+        if not isinstance(payload, dict) or payload.get("version") != STATE_FILE_VERSION:
+            logger.warning(
+                "MemoryGuard ignores %s: it was written by another version "
+                "of keras_memguard; the guard starts afresh.",
+                self._state_path(),
+            )
+            return
+        self.controller.state = decider.from_dict(payload["decider"])
         self._step = payload.get("step", self._step)
-        if payload.get("planner") is not None:
-            self.planner_state = planner.planner_state_from_dict(payload["planner"])
-        evaluation = payload.get("eval") or {}
-        self.eval_state = policy.init_eval_state(
-            int(evaluation.get("micro_batches", 1)),
-            int(evaluation.get("oom_count", 0)),
-        )
+        self._has_restored_state = True
+
+    def _save_plan(self):
+        if self.plan and self._plan_key and self._started:
+            plan_cache.save(self._plan_key, self._plan_fields, self.controller.state)
 
 
-def _too_large_message(batch_size, micro_batches, peak, limit, escalate=(), rungs_tried=()):
-    peak_text = f"{peak / _MIB:.1f} MiB" if peak else "unknown"
-    limit_text = f"{limit / _MIB:.1f} MiB" if limit else "unknown"
-    counted = policy.micro_batches_text(micro_batches)
-    tried = f" Tried: {counted} of one sample"
-    if rungs_tried:
-        tried += f", then the rungs: {', '.join(rungs_tried)}."
-    elif escalate:
-        tried += "."
-    else:
-        tried += (
-            "; no rung was allowed. HINT: `MemoryGuard(escalate=(\"remat\",))` "
-            "recomputes activations in the backward pass instead of keeping them."
-        )
-    return (
-        f"A micro-batch of a single sample does not fit in device memory: the "
-        f"batch of {batch_size} sample{'' if batch_size == 1 else 's'} ran out of "
-        f"memory even at {counted}. Measured peak before the failure: "
-        f"{peak_text}; memory limit: {limit_text}.{tried} HINT: use mixed precision "
-        "(keras.mixed_precision.set_global_policy('mixed_float16')), a smaller "
-        "model or input size, or a device with more memory (a larger memory "
-        "limit)."
-    )
+def _gradient_bytes(model):
+    """Bytes of the trainable weights: the gradients a step always holds."""
+    total = 0
+    for variable in model.trainable_weights:
+        try:
+            total += math.prod(variable.shape) * np.dtype(variable.dtype).itemsize
+        except TypeError:  # a dtype numpy does not know (bfloat16 names)
+            total += math.prod(variable.shape) * 2
+    return float(total)

@@ -56,7 +56,7 @@ split (a `MemGuardMixin` override) gets the same fail-fast treatment for
 every out-of-memory error.
 
 Usage decisions are agreed the same way: `agree_on_usage` takes the maximum
-over all workers before the policy decides, so every worker changes `k` at
+over all workers before the decider reacts, so every worker changes `k` at
 the same step.
 """
 

@@ -57,7 +57,7 @@ class ReplayTrainFunction:
         # Read once: Keras' property asks TensorFlow for the current strategy.
         self.strategy = model.distribute_strategy
         # Elements of one sample's inputs, and the work (micro-batch samples
-        # times that) of the last batch that ran, for the planner.
+        # times that) of the last batch that ran, for the decider.
         self.last_sample_size = None
         self.last_work = None
         self.last_batch_size = None

@@ -8,7 +8,7 @@ from keras_memguard.training import compat
 
 
 def describe_setup(model, data, devices, limits, mode):
-    """What identifies a training set-up to the planner.
+    """What identifies a training set-up to the plan cache.
 
     The model's class, its layers' classes, its weights' shapes and dtypes, the optimizer's class, the input
     signature (each input's dtype, rank and last dimension: the dimensions

@@ -45,8 +45,7 @@ def run_uncapped(strategy, log_dir):
     for k in (1, 2):
         model = make_model(strategy, 32, 32)
         monitor = keras_memguard.MemoryMonitor(log_dir=f"{log_dir}/k{k}")
-        guard = keras_memguard.MemoryGuard(cooldown=1000, plan=False)
-        guard.state = keras_memguard.policy.init_state(k)
+        guard = keras_memguard.MemoryGuard(cooldown=1000, plan=False, micro_batches=k)
         seen = []
         record = keras.callbacks.LambdaCallback(
             on_train_batch_end=lambda batch, logs: seen.append(logs["micro_batches"]))

@@ -15,38 +15,8 @@ import keras
 import tensorflow as tf
 
 import keras_memguard
-from keras_memguard.callbacks import guard as guard_module
 from keras_memguard.testing import emit_result
 from keras_memguard.training import multi_worker
-
-
-def guard_class(strategy):
-    """MemoryGuard, or until guard.py is wired: the integration proposed for it."""
-    if hasattr(guard_module, "multi_worker"):
-        return keras_memguard.MemoryGuard
-    from keras_memguard import policy
-
-    class MemoryGuard(keras_memguard.MemoryGuard):
-        def on_train_begin(self, logs=None):
-            multi_worker.prepare_multi_worker(self.model)
-            super().on_train_begin(logs)
-            self._function = multi_worker.MultiWorkerTrainFunction(
-                self.model, micro_batches=self.state.micro_batches,
-                mode=self.mode, on_out_of_memory=self._on_out_of_memory)
-            self.model.train_function = self._function
-
-        def on_train_batch_end(self, batch, logs=None):
-            real_decide = policy.decide
-            def decide(config, state, usage):
-                usage, _ = multi_worker.agree_on_usage(strategy, usage)
-                return real_decide(config, state, usage)
-            policy.decide = decide
-            try:
-                super().on_train_batch_end(batch, logs)
-            finally:
-                policy.decide = real_decide
-
-    return MemoryGuard
 
 
 class Record(keras.callbacks.Callback):
@@ -120,7 +90,7 @@ def main():
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(scenario["batch"])
 
     model = multi_worker.prepare_multi_worker(make_model(strategy, scenario))
-    guard = guard_class(strategy)(**scenario["guard"][task])
+    guard = keras_memguard.MemoryGuard(**scenario["guard"][task])
     start = time.monotonic()
     record = Record(start)
     result = {"task": task}

@@ -1,0 +1,146 @@
+"""What `MemoryGuard` decides, kept apart from Keras: testable without `fit`.
+
+The controller owns the decider's configuration and state, plans each
+batch, learns from each batch's reading and from out-of-memory errors,
+and keeps the rungs' bookkeeping and what is saved between runs. It takes
+plain numbers (bytes, sample counts) and returns the decider's `Plan`s and
+log lines; the guard feeds it from Keras' hooks and applies what it says.
+"""
+
+from keras_memguard import decider
+from keras_memguard.callbacks import messages
+
+
+class GuardController:
+    """Plans, observes and replays for one `MemoryGuard`.
+
+    Args:
+        config: A `keras_memguard.decider.DeciderConfig`.
+        micro_batches: The count to start with, or `None` for the
+            decider's default (`first_split` when planning, else 1).
+        escalate: The rungs the guard may climb, a tuple of names.
+
+    Example:
+
+    >>> from keras_memguard import decider
+    >>> controller = GuardController(decider.make_config())
+    >>> controller.start(limit_bytes=1000.0)
+    >>> controller.plan(batch_size=64, sample_size=1.0, in_use_bytes=0.0)
+    8
+    """
+
+    def __init__(self, config, micro_batches=None, escalate=()):
+        self.config = config
+        self.state = decider.init(config, micro_batches)
+        self.escalate = tuple(escalate)
+        self.limit_bytes = None
+        # The rungs switched on, and those refused with why.
+        self.rungs_on = ()
+        self.rungs_refused = {}
+        # The last plan: (state, batch_size, sample_size, in_use, k).
+        self._memo = None
+
+    def start(self, limit_bytes, fixed_bytes=0.0, state=None):
+        """Starts a `fit`: the limit planned against, and what is known.
+
+        Args:
+            limit_bytes: The device memory limit planned against.
+            fixed_bytes: The step's memory that does not shrink with the
+                micro-batch (the gradients' bytes).
+            state: A `DeciderState` to go on from (saved state or the plan
+                cache), or `None` to keep the current one.
+        """
+        self.limit_bytes = float(limit_bytes)
+        if state is not None:
+            self.state = state
+        self.state = self.state._replace(fixed_bytes=float(fixed_bytes))
+        self._memo = None
+
+    def plan(self, batch_size, sample_size, in_use_bytes):
+        """The count to run a batch with; logs a line when it changes.
+
+        Returns:
+            The micro-batch count, an int.
+        """
+        memo = self._memo
+        state = self.state
+        if (
+            memo is not None
+            and memo[0] is state
+            and memo[1] == batch_size
+            and memo[2] == sample_size
+            and memo[3] == in_use_bytes
+        ):
+            return memo[4]
+        decided, self.state = decider.plan(
+            self.config,
+            state,
+            decider.Batch(batch_size, sample_size, in_use_bytes, self.limit_bytes),
+        )
+        k = decided.micro_batches
+        if decided.changed:
+            messages.log_plan(decided, batch_size)
+        self._memo = (self.state, batch_size, sample_size, in_use_bytes, k)
+        return k
+
+    def one_sample_fits(self, batch_size, sample_size, in_use_bytes):
+        """Whether one sample per micro-batch is predicted to fit now."""
+        return decider.one_sample_fits(
+            self.config,
+            self.state,
+            decider.Batch(batch_size, sample_size, in_use_bytes, self.limit_bytes),
+        )
+
+    def observe(self, reading):
+        """Learns a batch's reading; returns the decider's `Plan` for the next."""
+        decided, self.state = decider.observe(self.config, self.state, reading)
+        return decided
+
+    def fail(self, failure):
+        """Learns an out-of-memory error; returns the replay's `Plan`."""
+        decided, self.state = decider.fail(self.config, self.state, failure)
+        return decided
+
+    def fail_evaluation(self, batch_size, micro_batches):
+        """Learns a validation batch's error; returns the slices' `Plan`."""
+        decided, self.state = decider.fail_evaluation(
+            self.config, self.state, batch_size, micro_batches
+        )
+        return decided
+
+    def count_replay(self):
+        """Counts a replay that kept the count (a rung was climbed)."""
+        self.state = self.state._replace(oom_count=self.state.oom_count + 1)
+
+    def set_micro_batches(self, micro_batches):
+        """Puts `micro_batches` in force (restoring, or after a rung)."""
+        self.state = self.state._replace(micro_batches=int(micro_batches))
+
+    def next_rung(self, can_climb):
+        """The next rung of `escalate` to switch on, or `None`.
+
+        Args:
+            can_climb: Called as `can_climb(rung)`; returns `None` when the
+                rung can work on the model, else why not (recorded once).
+        """
+        for rung in self.escalate:
+            if rung in self.rungs_on or rung in self.rungs_refused:
+                continue
+            reason = can_climb(rung)
+            if reason is not None:
+                self.rungs_refused[rung] = reason
+                continue
+            self.rungs_on += (rung,)
+            return rung
+        return None
+
+    def restart_model(self):
+        """Forgets the memory model (the step changed, e.g. a rung is on)."""
+        self.state = self.state._replace(
+            readings=(), failures=(), failed_allocation=None, shapes=()
+        )
+        self._memo = None
+
+    def to_dict(self):
+        """What is saved to `backup_dir` and the plan cache."""
+        return decider.to_dict(self.state)

@@ -1,0 +1,165 @@
+"""The guard's words: its log lines and the text of its errors, in one place."""
+
+import logging
+
+from keras_memguard.decider import micro_batches_text
+
+logger = logging.getLogger("keras_memguard")
+
+_MIB = 1024 * 1024
+
+
+def _samples(count):
+    return f"{count} sample" if count == 1 else f"{count} samples"
+
+
+def log_plan(decided, batch_size):
+    """INFO: a planned count that changed, and why."""
+    k = decided.micro_batches
+    logger.info(
+        "planned k=%d for batch %d: %s (micro-batch %d)",
+        k,
+        batch_size,
+        decided.reason,
+        -(-batch_size // k),
+    )
+
+
+def log_decision(decided, micro_batch_text):
+    """INFO: a count changed by a batch's peak (reacting mode)."""
+    micro = f" (micro-batch {micro_batch_text})" if micro_batch_text else ""
+    logger.info(
+        "%s: micro-batches %d -> %d%s",
+        decided.reason,
+        decided.previous_micro_batches,
+        decided.micro_batches,
+        micro,
+    )
+
+
+def log_replay(batch_size, micro_batches, new_k, micro_batch_text):
+    """INFO: a batch that ran out of memory is replayed."""
+    logger.info(
+        "out of memory at %s of a batch of %d: replaying it with %s "
+        "(micro-batch %s)",
+        micro_batches_text(micro_batches),
+        batch_size,
+        micro_batches_text(new_k),
+        micro_batch_text,
+    )
+
+
+def log_eval_slices(batch_size, micro_batches, done, new_k, training_k):
+    """INFO: a validation batch goes on in smaller slices."""
+    logger.info(
+        "out of memory evaluating a validation batch of %d at %s: going on "
+        "from sample %d with %s (micro-batch %d); training keeps %s",
+        batch_size,
+        micro_batches_text(micro_batches),
+        done,
+        micro_batches_text(new_k),
+        -(-batch_size // new_k),
+        micro_batches_text(training_k),
+    )
+
+
+def log_rung(rung, why, segments, segment_layers):
+    """INFO: a rung of `escalate` is switched on."""
+    logger.info(
+        "rung %r on: %s; the forward pass now runs in %d recomputed "
+        "segments of up to %d layers",
+        rung,
+        why,
+        segments,
+        segment_layers,
+    )
+
+
+def memory_limit_unknown(devices):
+    """`MemoryLimitUnknownError`'s text."""
+    return (
+        "MemoryGuard cannot tell how close training is to running out of "
+        f"memory: no memory limit is known for {', '.join(devices)}. "
+        "HINT: pass `memory_limit=<bytes>` to MemoryGuard, configure a "
+        "logical device with a `memory_limit` "
+        "(tf.config.set_logical_device_configuration), or on the CPU set "
+        "TF_CPU_ALLOCATOR_USE_BFC=true and TF_CPU_BFC_MEM_LIMIT_IN_MB "
+        "before TensorFlow is imported."
+    )
+
+
+def own_train_step(class_name):
+    """`UnsupportedTrainingSetupError`'s text for a model with its own step."""
+    return (
+        f"MemoryGuard cannot micro-batch {class_name}: its own "
+        "`train_step` does not use keras_memguard's machinery. HINT: "
+        "mix `keras_memguard.MemGuardMixin` into the class "
+        f"(`class {class_name}(MemGuardMixin, ...)`) and build "
+        "the override on `self.accumulate_gradients(...)`."
+    )
+
+
+def learning_rate_schedule():
+    """The error's text for `scale_learning_rate` with a schedule."""
+    return (
+        "`scale_learning_rate=True` needs a float learning rate; this "
+        "optimizer uses a schedule. HINT: scale the schedule yourself "
+        "or pass scale_learning_rate=False."
+    )
+
+
+def cap_reached(micro_batches, batch_size, evaluating=False):
+    """`MicroBatchTooLargeError`'s text when `max_micro_batches` is reached."""
+    if evaluating:
+        return (
+            f"Out of memory evaluating at {micro_batches} micro-batches, "
+            "the cap set by `max_micro_batches`; the validation batch of "
+            f"{batch_size} samples cannot be split further. HINT: raise "
+            "`max_micro_batches` or lower `validation_batch_size`."
+        )
+    return (
+        f"Out of memory at {micro_batches} micro-batches, the cap set "
+        f"by `max_micro_batches`; the batch of {batch_size} samples "
+        "cannot be split further. HINT: raise `max_micro_batches` or "
+        "lower the batch size."
+    )
+
+
+def allocation_does_not_shrink(reason, batch_size, peak, limit):
+    """`MicroBatchTooLargeError`'s text when no count can help."""
+    return (
+        f"No micro-batch count helps the batch of {_samples(batch_size)}: {reason}. "
+        f"Measured peak before the failure: {_mib(peak)}; memory limit: "
+        f"{_mib(limit)}. HINT: the allocation belongs to a layer whose "
+        "memory does not depend on the batch (its weights' gradients, or "
+        "a kernel's workspace): use mixed precision, a smaller layer or "
+        "input size, or a device with more memory."
+    )
+
+
+def _mib(value):
+    return f"{value / _MIB:.1f} MiB" if value else "unknown"
+
+
+def too_large(batch_size, micro_batches, peak, limit, escalate=(), rungs_tried=()):
+    """`MicroBatchTooLargeError`'s text when one sample does not fit."""
+    counted = micro_batches_text(micro_batches)
+    tried = f" Tried: {counted} of one sample"
+    if rungs_tried:
+        tried += f", then the rungs: {', '.join(rungs_tried)}."
+    elif escalate:
+        tried += "."
+    else:
+        tried += (
+            "; no rung was allowed. HINT: `MemoryGuard(escalate=(\"remat\",))` "
+            "recomputes activations in the backward pass instead of keeping them."
+        )
+    return (
+        f"A micro-batch of a single sample does not fit in device memory: the "
+        f"batch of {_samples(batch_size)} ran out of "
+        f"memory even at {counted}. Measured peak before the failure: "
+        f"{_mib(peak)}; memory limit: {_mib(limit)}.{tried} HINT: use mixed precision "
+        "(keras.mixed_precision.set_global_policy('mixed_float16')), a smaller "
+        "model or input size, or a device with more memory (a larger memory "
+        "limit)."
+    )

@@ -1,0 +1,1074 @@
+"""How many micro-batches each batch runs with: the one pure decider.
+
+Every decision the guard makes about the micro-batch count `k` comes from
+here: planning a batch before it runs, reacting to a batch's peak after it
+ran, sizing the replay of a batch that ran out of memory, and slicing a
+validation batch that did. The module imports neither TensorFlow nor Keras
+nor numpy: pure functions over immutable `NamedTuple` state, in the style of
+optax (`init`, `observe`, `fail`, `plan`), so it can be tested with scripted
+numbers and run identically on every replica and worker fed agreed numbers.
+
+**The memory model.** A micro-batch's *work* is its samples times the
+batch's *sample size* (elements of one sample's inputs, so a sequence twice
+as long counts twice). The step's own *demand* is its peak minus the memory
+in use right before it started (weights, optimizer slots, the input batch,
+buffers an input pipeline prefetched, other models: everything outside the
+step). The decider models `demand = fixed + slope * work`, fitted to the
+demands of batches that ran. Planning puts that demand into the memory free
+*now*: `in_use + demand(work) < threshold * limit`. Because the model never
+holds the memory in use before a step, a baseline that moves (an input
+pipeline that prefetches more or less from batch to batch) changes the plan
+of the batch it moves under, never the model.
+
+`fixed` is at least the step's own memory that does not shrink with the
+micro-batch (`fixed_bytes` given to `init`: the gradients, one per trainable
+weight); with a single reading, every byte above it is taken to grow with
+the work.
+
+**Failures.** An out-of-memory error at a work is one record: the demand it
+proved (at least the memory that was free before the step, or what the
+error says was in use plus the allocation that failed). Plans stay under
+the line through that record. The replay's micro-batch is strictly smaller
+than the one that failed, sized from the error: the demand it proved, and,
+when the failed allocation grows with the micro-batch (its shape holds the
+micro-batch size), the largest free block. A second failure of the same
+allocation at a smaller micro-batch proves that no count helps, and so does
+a failure at one sample per micro-batch: `fail` says so (`cannot_split`)
+instead of trying again.
+
+**Steady counts.** Per batch shape (size and sample size) the decider
+remembers the count it ran with. It raises `k` at once when the batch is
+predicted not to fit; it lowers `k` only to a count predicted to fit with
+`HYSTERESIS` of the limit to spare, so a usage hovering near the threshold
+cannot make `k` flap, and batches of other sizes do not re-plan the shape.
+
+**Reacting** (`predictive=False`, or several workers that agree on each
+batch's numbers after it ran) is a configuration: `plan` keeps the count,
+`observe` raises `k` at once when a batch's peak reached `threshold` and
+lowers it when the usage predicted at half the count stayed below `release`
+for `cooldown` batches. The same memory model predicts, the same failure
+records bound.
+
+Example:
+
+>>> config = make_config(threshold=0.9)
+>>> state = init(config)
+>>> batch = Batch(batch_size=408, sample_size=1.0, in_use_bytes=100.0,
+...               limit_bytes=1000.0)
+>>> decided, state = plan(config, state, batch)
+>>> decided.micro_batches, decided.reason
+(8, 'nothing measured yet: a cautious first split')
+>>> state = observe(config, state, Reading(408, 8, 1.0, 100.0, 300.0, 1000.0))[1]
+>>> decided, state = plan(config, state, batch)
+>>> decided.micro_batches
+4
+"""
+
+import math
+import numbers
+from typing import NamedTuple, Optional, Tuple
+
+__all__ = [
+    "Batch",
+    "CANNOT_SPLIT_ALLOCATION",
+    "CANNOT_SPLIT_BATCH_SIZE",
+    "CANNOT_SPLIT_CAP",
+    "DeciderConfig",
+    "DeciderState",
+    "Failure",
+    "Plan",
+    "Reading",
+    "fail",
+    "fail_evaluation",
+    "from_dict",
+    "init",
+    "make_config",
+    "micro_batches_text",
+    "observe",
+    "one_sample_fits",
+    "plan",
+    "predict_demand",
+    "to_dict",
+]
+
+# Readings kept: the highest demand per work, at most this many works.
+MAX_READINGS = 8
+# Failure records kept (the smallest works).
+MAX_FAILURES = 4
+# Batch shapes whose count is remembered for hysteresis.
+MAX_SHAPES = 16
+# A plan that lowers `k` aims this share of the limit under the target.
+HYSTERESIS = 0.05
+# The recent high of the memory held outside the step falls by this share
+# of the limit per batch observed.
+OUTSIDE_DECAY = 0.01
+# The replay after an out-of-memory error is sized at this share of what
+# the error says would have fitted.
+FAILURE_MARGIN = 0.9
+# Version of the dictionary written by `to_dict`.
+STATE_VERSION = 2
+
+# Why a batch cannot be split further (`Plan.cannot_split`).
+CANNOT_SPLIT_BATCH_SIZE = "batch_size"
+CANNOT_SPLIT_CAP = "max_micro_batches"
+CANNOT_SPLIT_ALLOCATION = "allocation"
+
+FIRST_SPLIT = "nothing measured yet: a cautious first split"
+HELD = "held"
+
+_MIB = 1024 * 1024
+
+
+class DeciderConfig(NamedTuple):
+    """Settings of the decider; build it with `make_config`.
+
+    Attributes:
+        threshold: Usage (peak / limit) never planned at or above; in
+            reacting mode, the peak usage at which `k` goes up.
+        release: Reacting mode: predicted usage at half the count below
+            which `k` may halve.
+        cooldown: Reacting mode: batches the prediction must stay below
+            `release`, and the least number of batches between two changes,
+            before `k` halves.
+        growth: A plan's work is at most this many times the largest work
+            that ran (when the prediction is above half the target).
+        first_split: Micro-batches of the first batch, before any reading.
+        min_micro_batches: The smallest `k` decided.
+        max_micro_batches: The largest `k` decided, or `None`.
+        predictive: Plan each batch before it runs (`True`) or react to
+            each batch's peak after it ran (`False`).
+    """
+
+    threshold: float = 0.9
+    release: float = 0.7
+    cooldown: int = 20
+    growth: float = 2.0
+    first_split: int = 8
+    min_micro_batches: int = 1
+    max_micro_batches: Optional[int] = None
+    predictive: bool = True
+
+
+class Batch(NamedTuple):
+    """A batch about to run, as `plan` needs it.
+
+    Attributes:
+        batch_size: Samples in the batch (of one replica).
+        sample_size: Elements of one sample's inputs (> 0).
+        in_use_bytes: Memory in use right before the batch, or `None`.
+        limit_bytes: The device memory limit in bytes.
+    """
+
+    batch_size: int
+    sample_size: float
+    in_use_bytes: Optional[float]
+    limit_bytes: float
+
+
+class Reading(NamedTuple):
+    """A batch that ran, as `observe` needs it.
+
+    Attributes:
+        batch_size: Samples in the batch (of one replica).
+        micro_batches: The count it ran with.
+        sample_size: Elements of one sample's inputs.
+        before_bytes: Memory in use right before the batch, or `None`
+            (then the step's demand is its whole peak).
+        peak_bytes: The batch's measured peak, or `None` when unknown.
+        limit_bytes: The device memory limit in bytes.
+    """
+
+    batch_size: int
+    micro_batches: int
+    sample_size: float
+    before_bytes: Optional[float]
+    peak_bytes: Optional[float]
+    limit_bytes: float
+
+    @property
+    def work(self):
+        """The micro-batch's samples times the sample size."""
+        return -(-self.batch_size // self.micro_batches) * self.sample_size
+
+
+class Failure(NamedTuple):
+    """A batch that ran out of memory, as `fail` needs it.
+
+    What the error says is `None` where unknown.
+
+    Attributes:
+        batch_size: Samples in the batch (of one replica).
+        micro_batches: The count that failed.
+        sample_size: Elements of one sample's inputs.
+        before_bytes: Memory in use right before the batch, or `None`.
+        limit_bytes: The device memory limit in bytes.
+        in_use_bytes: Memory in use when the allocation failed.
+        allocation_bytes: The size of the allocation that failed.
+        allocation_shape: Its shape, a tuple of ints.
+        largest_free_bytes: The largest free block when it failed.
+    """
+
+    batch_size: int
+    micro_batches: int
+    sample_size: float
+    before_bytes: Optional[float]
+    limit_bytes: float
+    in_use_bytes: Optional[float] = None
+    allocation_bytes: Optional[float] = None
+    allocation_shape: Optional[Tuple[int, ...]] = None
+    largest_free_bytes: Optional[float] = None
+
+    @property
+    def micro_batch_size(self):
+        """Samples in the micro-batch that failed."""
+        return -(-self.batch_size // self.micro_batches)
+
+
+class Plan(NamedTuple):
+    """The decider's answer for a batch.
+
+    Attributes:
+        micro_batches: The count to run the batch with.
+        previous_micro_batches: The count in force before.
+        predicted_usage: The predicted peak usage (in use plus the step's
+            demand, over the limit) at that count, or `None`.
+        reason: Why, in words (`"predicted peak 88% of 600 MiB under
+            target 90%"`).
+        cannot_split: Set by `fail` and `fail_evaluation` when the batch
+            cannot be split further (the caller raises or climbs a rung):
+            `CANNOT_SPLIT_BATCH_SIZE` (one sample per micro-batch failed),
+            `CANNOT_SPLIT_CAP` (`max_micro_batches` is reached) or
+            `CANNOT_SPLIT_ALLOCATION` (the failed allocation does not
+            shrink with the micro-batch). `None` otherwise.
+    """
+
+    micro_batches: int
+    previous_micro_batches: int
+    predicted_usage: Optional[float]
+    reason: str
+    cannot_split: Optional[str] = None
+
+    @property
+    def changed(self):
+        """Whether the plan changes the micro-batch count."""
+        return self.micro_batches != self.previous_micro_batches
+
+
+class DeciderState(NamedTuple):
+    """What the decider has learned; start it with `init`.
+
+    Attributes:
+        micro_batches: The count in force (the last one planned or decided).
+        readings: `(work, demand_bytes)` of batches that ran, the highest
+            demand per work, sorted by work (at most `MAX_READINGS`).
+        failures: `(work, demand_bytes)` of micro-batches that ran out of
+            memory: the demand each proved, at least (at most
+            `MAX_FAILURES`, sorted by work).
+        fixed_bytes: The step's own memory that does not shrink with the
+            micro-batch (a floor for the model's `fixed`).
+        outside_bytes: The recent high of the memory in use before a batch,
+            falling by `OUTSIDE_DECAY` of the limit per batch observed.
+        failed_allocation: `(shape, micro_batch_size)` of the last failed
+            allocation, or `None`.
+        shapes: `((batch_size, sample_size), k)` the count each recent
+            batch shape ran with (at most `MAX_SHAPES`).
+        batches_since_change: Reacting mode: batches since `k` changed.
+        calm_batches: Reacting mode: consecutive batches predicted below
+            `release` at half the count.
+        oom_count: Training batches replayed after an out-of-memory error.
+        eval_micro_batches: The count validation batches are sliced into.
+        eval_oom_count: Validation batches that ran out of memory.
+    """
+
+    micro_batches: int
+    readings: Tuple[Tuple[float, float], ...]
+    failures: Tuple[Tuple[float, float], ...]
+    fixed_bytes: float
+    outside_bytes: float
+    failed_allocation: Optional[Tuple[Tuple[int, ...], int]]
+    shapes: Tuple[Tuple[Tuple[int, float], int], ...]
+    batches_since_change: int
+    calm_batches: int
+    oom_count: int
+    eval_micro_batches: int
+    eval_oom_count: int
+
+
+def _is_int(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def make_config(
+    threshold=0.9,
+    release=None,
+    cooldown=20,
+    growth=2.0,
+    first_split=8,
+    min_micro_batches=1,
+    max_micro_batches=None,
+    predictive=True,
+):
+    """Validates the decider's settings and returns a `DeciderConfig`.
+
+    Args:
+        threshold: Usage (peak / limit) never planned at or above, in
+            (0, 1]. Defaults to `0.9`.
+        release: Reacting mode: predicted usage at half the count below
+            which the count may halve, in (0, 1] and below `threshold`.
+            Defaults to `None`, meaning `threshold - 0.2` but never less
+            than `threshold / 2`.
+        cooldown: Reacting mode: batches below `release` before the count
+            halves, an integer >= 0. Defaults to `20`.
+        growth: The most a plan's work may exceed the largest work that
+            ran, a number > 1. Defaults to `2.0`.
+        first_split: Micro-batches of the first batch when nothing is
+            known, an integer >= 1. Defaults to `8`.
+        min_micro_batches: The smallest count, an integer >= 1. Defaults
+            to `1`.
+        max_micro_batches: The largest count, an integer >=
+            `min_micro_batches`, or `None`. Defaults to `None`.
+        predictive: Plan before each batch (`True`) or react after it
+            (`False`). Defaults to `True`.
+
+    Returns:
+        A `DeciderConfig`.
+
+    Raises:
+        ValueError: If an argument is out of range or of the wrong type
+            (booleans are not numbers here).
+
+    Example:
+
+    >>> config = make_config(threshold=0.8)
+    >>> config.threshold, config.release
+    (0.8, 0.6)
+    """
+    if not _is_real(threshold) or not 0 < threshold <= 1:
+        raise ValueError(
+            f"`threshold` must be in (0, 1]. Received: threshold={threshold!r}"
+        )
+    threshold = float(threshold)
+    if release is None:
+        release = round(max(threshold - 0.2, threshold / 2), 12)
+    elif not _is_real(release) or not 0 < release <= 1:
+        raise ValueError(f"`release` must be in (0, 1]. Received: release={release!r}")
+    elif not release < threshold:
+        raise ValueError(
+            "`release` must be smaller than `threshold`. "
+            f"Received: release={release!r}, threshold={threshold!r}"
+        )
+    if not _is_int(cooldown) or cooldown < 0:
+        raise ValueError(
+            f"`cooldown` must be an integer >= 0. Received: cooldown={cooldown!r}"
+        )
+    if not _is_real(growth) or not growth > 1:
+        raise ValueError(f"`growth` must be a number > 1. Received: growth={growth!r}")
+    for name, value in (
+        ("first_split", first_split),
+        ("min_micro_batches", min_micro_batches),
+    ):
+        if not _is_int(value) or value < 1:
+            raise ValueError(
+                f"`{name}` must be an integer >= 1. Received: {name}={value!r}"
+            )
+    if max_micro_batches is not None and (
+        not _is_int(max_micro_batches) or max_micro_batches < 1
+    ):
+        raise ValueError(
+            "`max_micro_batches` must be None or an integer >= 1. "
+            f"Received: max_micro_batches={max_micro_batches!r}"
+        )
+    if max_micro_batches is not None and min_micro_batches > max_micro_batches:
+        raise ValueError(
+            "`min_micro_batches` must not exceed `max_micro_batches`. "
+            f"Received: min_micro_batches={min_micro_batches!r}, "
+            f"max_micro_batches={max_micro_batches!r}"
+        )
+    if not isinstance(predictive, bool):
+        raise ValueError(
+            f"`predictive` must be True or False. Received: predictive={predictive!r}"
+        )
+    return DeciderConfig(
+        threshold=threshold,
+        release=float(release),
+        cooldown=int(cooldown),
+        growth=float(growth),
+        first_split=int(first_split),
+        min_micro_batches=int(min_micro_batches),
+        max_micro_batches=None if max_micro_batches is None else int(max_micro_batches),
+        predictive=predictive,
+    )
+
+
+def init(config, micro_batches=None, fixed_bytes=0):
+    """Returns a decider state that knows nothing yet.
+
+    Args:
+        config: A `DeciderConfig`.
+        micro_batches: The count to start with, an integer >= 1. Defaults
+            to `None`: `config.first_split` when planning, else `1`.
+        fixed_bytes: The step's own memory that does not shrink with the
+            micro-batch (the gradients' bytes), >= 0. Defaults to `0`.
+
+    Returns:
+        A `DeciderState`.
+
+    Raises:
+        ValueError: If an argument is out of range.
+
+    Example:
+
+    >>> init(make_config(predictive=False)).micro_batches
+    1
+    """
+    if micro_batches is None:
+        micro_batches = config.first_split if config.predictive else 1
+    if not _is_int(micro_batches) or micro_batches < 1:
+        raise ValueError(
+            "`micro_batches` must be an integer >= 1. "
+            f"Received: micro_batches={micro_batches!r}"
+        )
+    if not _is_real(fixed_bytes) or not fixed_bytes >= 0:
+        raise ValueError(
+            f"`fixed_bytes` must be a number >= 0. Received: fixed_bytes={fixed_bytes!r}"
+        )
+    return DeciderState(
+        micro_batches=int(micro_batches),
+        readings=(),
+        failures=(),
+        fixed_bytes=float(fixed_bytes),
+        outside_bytes=0.0,
+        failed_allocation=None,
+        shapes=(),
+        batches_since_change=0,
+        calm_batches=0,
+        oom_count=0,
+        eval_micro_batches=1,
+        eval_oom_count=0,
+    )
+
+
+# The memory model.
+
+
+def _fit(state):
+    """`(fixed, slope)` of `demand = fixed + slope * work`, or `None`.
+
+    Through the smallest and largest works measured, raised to lie on or
+    above every reading; with one reading (or readings that do not rise),
+    everything above `fixed_bytes` grows with the work.
+    """
+    readings = state.readings
+    if not readings:
+        return None
+    floor = state.fixed_bytes
+    largest_work, largest_demand = readings[-1]
+    slope = None
+    if len(readings) >= 2:
+        smallest_work, smallest_demand = readings[0]
+        rise = (largest_demand - smallest_demand) / (largest_work - smallest_work)
+        if rise > 0 and largest_demand - rise * largest_work >= 0:
+            slope = rise
+    if slope is None:
+        fixed = min(floor, largest_demand)
+        slope = (largest_demand - fixed) / largest_work
+    fixed = max(demand - slope * work for work, demand in readings)
+    return max(fixed, 0.0), slope
+
+
+def predict_demand(state, work):
+    """Predicts the step's own peak demand, in bytes, at a micro-batch work.
+
+    The model's line, and no lower than any failure record proves: for a
+    work at or above a failed one, the line from the model's `fixed`
+    through that failure.
+
+    Args:
+        state: A `DeciderState`.
+        work: Micro-batch samples times the sample size.
+
+    Returns:
+        The predicted demand in bytes, or `None` before any reading or
+        failure.
+
+    Example:
+
+    >>> state = init(make_config())._replace(readings=((10.0, 300.0),))
+    >>> predict_demand(state, 20.0)
+    600.0
+    """
+    fitted = _fit(state)
+    if fitted is None and not state.failures:
+        return None
+    fixed, slope = fitted or (min(state.fixed_bytes, state.failures[0][1]), 0.0)
+    demand = fixed + slope * work
+    for failed_work, proved in state.failures:
+        demand = max(demand, fixed + (proved - fixed) * work / failed_work)
+    return demand
+
+
+def _largest_work(config, state, budget):
+    """The largest work whose predicted demand stays under `budget` bytes.
+
+    Also not beyond `config.growth` times the largest work measured unless
+    the prediction is far under the budget. `math.inf` when nothing bounds
+    it, 0 when nothing fits.
+    """
+    if budget <= 0:
+        return 0.0
+    fitted = _fit(state)
+    fixed, slope = fitted or (min(state.fixed_bytes, budget), 0.0)
+    room = budget - fixed
+    if room <= 0:
+        return 0.0
+    allowed = room / slope if slope > 0 else math.inf
+    for failed_work, proved in state.failures:
+        failure_slope = (proved - fixed) / failed_work
+        if failure_slope > 0:
+            allowed = min(allowed, room / failure_slope)
+    if state.readings:
+        measured = state.readings[-1][0]
+        grown = config.growth * measured
+        if allowed > grown and fixed + slope * grown > 0.5 * budget:
+            allowed = grown
+    return allowed
+
+
+def _bounds(config, batch_size):
+    cap = config.max_micro_batches
+    high = batch_size if cap is None else min(cap, batch_size)
+    return min(config.min_micro_batches, high), high
+
+
+def _count_for(config, state, batch_size, sample_size, budget):
+    """The smallest count whose micro-batch fits `budget`, and whether any does."""
+    low, high = _bounds(config, batch_size)
+    allowed = _largest_work(config, state, budget)
+    largest_micro = min(batch_size, int(allowed / sample_size)) if allowed < math.inf else batch_size
+    if largest_micro < 1:
+        return high, False
+    return max(low, min(high, -(-batch_size // largest_micro))), True
+
+
+def _remembered(state, shape):
+    for known, k in state.shapes:
+        if known == shape:
+            return k
+    return None
+
+
+def _remember(state, shape, k):
+    if _remembered(state, shape) == k and state.micro_batches == k:
+        return state
+    shapes = tuple(entry for entry in state.shapes if entry[0] != shape)
+    shapes = ((shape, k),) + shapes[: MAX_SHAPES - 1]
+    return state._replace(micro_batches=k, shapes=shapes)
+
+
+def _usage(state, batch, k):
+    demand = predict_demand(state, -(-batch.batch_size // k) * batch.sample_size)
+    if demand is None:
+        return None
+    return ((batch.in_use_bytes or 0.0) + demand) / batch.limit_bytes
+
+
+def plan(config, state, batch):
+    """Plans the micro-batch count of a batch about to run.
+
+    Planning: the smallest count whose predicted demand fits the memory
+    free now under `threshold`; a count lower than the one this batch shape
+    ran with only when it fits with `HYSTERESIS` to spare. Reacting: the
+    count in force. Cheap enough for every batch.
+
+    Args:
+        config: A `DeciderConfig`.
+        state: The current `DeciderState`.
+        batch: A `Batch`.
+
+    Returns:
+        A `(Plan, DeciderState)` pair; the state is `state` itself when
+        nothing changed.
+
+    Example:
+
+    >>> config = make_config()
+    >>> state = init(config)._replace(readings=((50.0, 300.0), (100.0, 500.0)))
+    >>> batch = Batch(408, 1.0, in_use_bytes=40.0, limit_bytes=1000.0)
+    >>> plan(config, state, batch)[0].micro_batches
+    3
+    """
+    batch_size = batch.batch_size
+    previous = state.micro_batches
+    low, high = _bounds(config, batch_size)
+    if not config.predictive:
+        k = max(low, min(high, previous))
+        return Plan(k, previous, None, HELD), state
+    shape = (batch_size, batch.sample_size)
+    if not state.readings and not state.failures:
+        k = max(low, min(high, _remembered(state, shape) or config.first_split))
+        return Plan(k, previous, None, FIRST_SPLIT), _remember(state, shape, k)
+    # Memory held outside the step that came and went in recent batches
+    # (an input pipeline's buffers) can come back while this step runs.
+    in_use = max(batch.in_use_bytes or 0.0, state.outside_bytes)
+    target = config.threshold * batch.limit_bytes
+    k, fits = _count_for(config, state, batch_size, batch.sample_size, target - in_use)
+    ran_with = _remembered(state, shape)
+    if ran_with is not None and k < ran_with:
+        # Lower only to a count that fits with the band to spare.
+        calm, _ = _count_for(
+            config,
+            state,
+            batch_size,
+            batch.sample_size,
+            target - HYSTERESIS * batch.limit_bytes - in_use,
+        )
+        k = min(ran_with, max(k, calm))
+    predicted = _usage(state, batch._replace(in_use_bytes=in_use), k)
+    if fits:
+        why = f"predicted peak {_percent(predicted)} of {_mib(batch.limit_bytes)} under target {_percent(config.threshold)}"
+    else:
+        why = "one sample per micro-batch: still over the target"
+    return Plan(k, previous, predicted, why), _remember(state, shape, k)
+
+
+def one_sample_fits(config, state, batch):
+    """Whether a micro-batch of one sample may fit the memory free now.
+
+    Args:
+        config: A `DeciderConfig`.
+        state: A `DeciderState`.
+        batch: The `Batch` about to run.
+
+    Returns:
+        A bool; `True` while nothing says otherwise.
+
+    Example:
+
+    >>> state = init(make_config())._replace(failures=((4.0, 900.0),))
+    >>> one_sample_fits(make_config(), state, Batch(8, 4.0, 0.0, 1000.0))
+    False
+    """
+    demand = predict_demand(state, batch.sample_size)
+    if demand is None:
+        return True
+    budget = config.threshold * batch.limit_bytes - (batch.in_use_bytes or 0.0)
+    return demand < budget
+
+
+def _record(entries, work, demand, keep):
+    """`entries` with the higher of `demand` and the old one at `work`."""
+    table = dict(entries)
+    table[work] = max(demand, table.get(work, 0.0))
+    while len(table) > keep:
+        works = sorted(table)
+        # Keep the extremes (they fix the slope best).
+        middle = works[1:-1] or works
+        del table[min(middle, key=lambda w: abs(w - work) or math.inf)]
+    return tuple(sorted(table.items()))
+
+
+def observe(config, state, reading):
+    """Records the peak of a batch that ran; in reacting mode, decides.
+
+    Args:
+        config: A `DeciderConfig`.
+        state: The current `DeciderState`.
+        reading: A `Reading` of the batch.
+
+    Returns:
+        A `(Plan, DeciderState)` pair: the count for the next batch (in
+        planning mode the count in force) and the new state, `state`
+        itself when the reading teaches nothing new.
+
+    Example:
+
+    >>> config = make_config(predictive=False, cooldown=1)
+    >>> state = init(config, micro_batches=2)
+    >>> decided, state = observe(config, state, Reading(64, 2, 1.0, 0.0, 950.0, 1000.0))
+    >>> decided.micro_batches, decided.reason
+    (4, 'peak 95% of 0 MiB >= threshold 90%')
+    """
+    k = state.micro_batches
+    peak = reading.peak_bytes
+    if peak is None or not reading.limit_bytes:
+        if config.predictive:
+            return Plan(k, k, None, "usage unknown"), state
+        return Plan(k, k, None, "usage unknown"), state._replace(
+            batches_since_change=state.batches_since_change + 1, calm_batches=0
+        )
+    before = reading.before_bytes or 0.0
+    work = reading.work
+    demand = max(float(peak) - before, 1.0)
+    readings = state.readings
+    if dict(readings).get(work, -1.0) < demand:
+        readings = _record(readings, work, demand, MAX_READINGS)
+    outside = max(before, state.outside_bytes - OUTSIDE_DECAY * reading.limit_bytes, 0.0)
+    if readings is state.readings and outside == state.outside_bytes:
+        updated = state
+    else:
+        updated = state._replace(readings=readings, outside_bytes=outside)
+    if config.predictive:
+        return Plan(k, k, None, HELD), updated
+    return _react(config, updated, reading)
+
+
+def _react(config, state, reading):
+    """Reacting mode: the next batch's count from this batch's peak."""
+    k = state.micro_batches
+    since = state.batches_since_change + 1
+    usage = reading.peak_bytes / reading.limit_bytes
+    limit = reading.limit_bytes
+    low, high = _bounds(config, reading.batch_size)
+    peak = f"peak {_percent(usage)} of {_mib(limit)}"
+    if usage >= config.threshold:
+        above = f"{peak} >= threshold {_percent(config.threshold)}"
+        target = max(k, min(high, 2 * k))
+        if target == k:
+            return (
+                Plan(k, k, usage, f"{above}, but no more micro-batches are possible"),
+                state._replace(batches_since_change=since, calm_batches=0),
+            )
+        return (
+            Plan(target, k, usage, above),
+            state._replace(micro_batches=target, batches_since_change=0, calm_batches=0),
+        )
+    below = f"{peak} < threshold {_percent(config.threshold)}"
+    target = max(low, min(k // 2, high))
+    if k <= low or target >= k:
+        return Plan(k, k, usage, below), state._replace(
+            batches_since_change=since, calm_batches=0
+        )
+    half = reading._replace(micro_batches=target)
+    demand = predict_demand(state, half.work)
+    predicted = None if demand is None else ((reading.before_bytes or 0.0) + demand) / limit
+    if predicted is None or not predicted < config.release:
+        why = (
+            f"usage at {micro_batches_text(target)} cannot be predicted"
+            if predicted is None
+            else f"predicted {_percent(predicted)} at {micro_batches_text(target)} "
+            f">= release {_percent(config.release)}"
+        )
+        return Plan(k, k, usage, f"{below}; {why}"), state._replace(
+            batches_since_change=since, calm_batches=0
+        )
+    calm = state.calm_batches + 1
+    calm_text = (
+        f"predicted {_percent(predicted)} at {micro_batches_text(target)} "
+        f"< release {_percent(config.release)}"
+    )
+    if calm >= config.cooldown and since >= config.cooldown:
+        return (
+            Plan(target, k, usage, f"{calm_text} for {_batches(calm)}"),
+            state._replace(micro_batches=target, batches_since_change=0, calm_batches=0),
+        )
+    return Plan(k, k, usage, f"{calm_text} for {calm} of {_batches(config.cooldown)}"), state._replace(
+        batches_since_change=since, calm_batches=calm
+    )
+
+
+def _scales_with(shape, micro_batch_size):
+    """Whether an allocation of `shape` holds the micro-batch in a dimension."""
+    return bool(shape) and micro_batch_size in shape
+
+
+def fail(config, state, failure):
+    """Sizes the replay of a batch that ran out of memory.
+
+    The failure is recorded (plans stay under the demand it proved) and
+    the batch's micro-batch shrinks strictly: to what the proved demand
+    and, for an allocation that grows with the micro-batch, the largest
+    free block say fits, with `FAILURE_MARGIN` to spare, and at most the
+    failed micro-batch less one sample.
+
+    Args:
+        config: A `DeciderConfig`.
+        state: The `DeciderState` in force when the error happened.
+        failure: A `Failure`.
+
+    Returns:
+        A `(Plan, DeciderState)` pair. When the batch cannot be split
+        further, the plan's `cannot_split` says why and its count is the
+        failed one; the state records the failure all the same (a next run
+        knows from it that one sample does not fit), without counting a
+        replay.
+
+    Example:
+
+    >>> config = make_config()
+    >>> failure = Failure(1024, 8, 1.0, before_bytes=500.0, limit_bytes=600.0)
+    >>> decided, state = fail(config, init(config), failure)
+    >>> decided.micro_batches > 8, state.oom_count
+    (True, 1)
+    """
+    batch_size = failure.batch_size
+    k = failure.micro_batches
+    micro = failure.micro_batch_size
+    limit = failure.limit_bytes
+    counted = micro_batches_text(k)
+    before = failure.before_bytes or 0.0
+    proved = limit - before
+    if failure.in_use_bytes is not None and failure.allocation_bytes:
+        proved = max(proved, failure.in_use_bytes + failure.allocation_bytes - before)
+    work = micro * failure.sample_size
+    failures = _record(state.failures, work, max(proved, 1.0), MAX_FAILURES)
+    shape = tuple(failure.allocation_shape) if failure.allocation_shape else None
+    previous_allocation = state.failed_allocation
+    recorded = state._replace(
+        failures=failures,
+        outside_bytes=max(state.outside_bytes, before),
+        readings=tuple((w, d) for w, d in state.readings if w < work),
+        failed_allocation=None if shape is None else (shape, micro),
+        batches_since_change=0,
+        calm_batches=0,
+    )
+    if micro <= 1:
+        why = f"out of memory at {counted} of a batch of {_samples(batch_size)}"
+        return Plan(k, k, None, why, CANNOT_SPLIT_BATCH_SIZE), recorded
+    if (
+        shape is not None
+        and previous_allocation is not None
+        and previous_allocation[0] == shape
+        and previous_allocation[1] > micro
+    ):
+        why = (
+            f"out of memory again allocating {list(shape)} at {micro} samples per "
+            f"micro-batch, as at {previous_allocation[1]}: the allocation does not "
+            "shrink with the micro-batch"
+        )
+        return Plan(k, k, None, why, CANNOT_SPLIT_ALLOCATION), recorded
+    low, high = _bounds(config, batch_size)
+    if k >= high:
+        return (
+            Plan(k, k, None, f"out of memory at the cap of {micro_batches_text(high)}", CANNOT_SPLIT_CAP),
+            recorded,
+        )
+    # What the proved demand leaves, from the model's fixed part.
+    budget = config.threshold * limit - before
+    fitted = _fit(recorded)
+    fixed = min(fitted[0] if fitted else recorded.fixed_bytes, proved)
+    fraction = 0.5
+    if proved > fixed:
+        fraction = max(0.0, (budget - fixed) / (proved - fixed))
+    if (
+        failure.allocation_bytes
+        and failure.largest_free_bytes is not None
+        and failure.largest_free_bytes < failure.allocation_bytes
+        and _scales_with(shape, micro)
+    ):
+        fraction = min(fraction, failure.largest_free_bytes / failure.allocation_bytes)
+    sized = int(micro * fraction * FAILURE_MARGIN)
+    replay_micro = max(1, min(micro - 1, sized))
+    new_k = max(k + 1, -(-batch_size // replay_micro))
+    # The smallest count giving that micro-batch (fewer empty slots).
+    new_k = max(low, min(high, -(-batch_size // -(-batch_size // new_k))))
+    if -(-batch_size // new_k) >= micro:
+        new_k = min(high, new_k + 1)
+    return (
+        Plan(new_k, k, None, f"out of memory at {counted} ({micro} per micro-batch)"),
+        recorded._replace(micro_batches=new_k, oom_count=state.oom_count + 1),
+    )
+
+
+def fail_evaluation(config, state, batch_size, micro_batches):
+    """The slice count to go on evaluating a batch that ran out of memory.
+
+    Validation keeps its own count (`eval_micro_batches`): an evaluation
+    batch says nothing about a training step's memory. Each slice becomes
+    at most half as large; the count stays for the next validations.
+
+    Args:
+        config: A `DeciderConfig` (its `max_micro_batches` applies).
+        state: The `DeciderState`.
+        batch_size: Samples of the validation batch that failed.
+        micro_batches: The count it failed at.
+
+    Returns:
+        A `(Plan, DeciderState)` pair; when no slice count helps, the
+        plan's `cannot_split` says why and the state is unchanged.
+
+    Example:
+
+    >>> decided, state = fail_evaluation(make_config(), init(make_config()), 6, 1)
+    >>> decided.micro_batches, state.eval_oom_count
+    (2, 1)
+    """
+    k = micro_batches
+    micro = -(-batch_size // k)
+    low, high = _bounds(config, batch_size)
+    counted = micro_batches_text(k)
+    if micro <= 1:
+        return Plan(k, k, None, f"out of memory evaluating at {counted} of a batch of {_samples(batch_size)}", CANNOT_SPLIT_BATCH_SIZE), state
+    if k >= high:
+        return Plan(k, k, None, f"out of memory evaluating at the cap of {micro_batches_text(high)}", CANNOT_SPLIT_CAP), state
+    new_k = min(high, -(-batch_size // (micro // 2)))
+    return (
+        Plan(new_k, k, None, f"out of memory evaluating at {counted}"),
+        state._replace(eval_micro_batches=new_k, eval_oom_count=state.eval_oom_count + 1),
+    )
+
+
+# Words.
+
+
+def micro_batches_text(count):
+    """`count` micro-batches in words, for log lines and error messages.
+
+    Example:
+
+    >>> micro_batches_text(1), micro_batches_text(4)
+    ('1 micro-batch', '4 micro-batches')
+    """
+    return f"{count} micro-batch" if count == 1 else f"{count} micro-batches"
+
+
+def _batches(count):
+    return f"{count} batch" if count == 1 else f"{count} batches"
+
+
+def _samples(count):
+    return f"{count} sample" if count == 1 else f"{count} samples"
+
+
+def _percent(value):
+    return f"{value:.0%}"
+
+
+def _mib(value):
+    return f"{value / _MIB:.0f} MiB"
+
+
+# Persistence: one schema for the plan cache and `backup_dir`.
+
+
+def to_dict(state):
+    """A JSON-safe dictionary of `state`, readable by `from_dict`.
+
+    Example:
+
+    >>> to_dict(init(make_config()))["version"]
+    2
+    """
+    allocation = state.failed_allocation
+    return {
+        "version": STATE_VERSION,
+        "micro_batches": state.micro_batches,
+        "readings": [list(entry) for entry in state.readings],
+        "failures": [list(entry) for entry in state.failures],
+        "fixed_bytes": state.fixed_bytes,
+        "outside_bytes": state.outside_bytes,
+        "failed_allocation": None if allocation is None else [list(allocation[0]), allocation[1]],
+        "shapes": [[list(shape), k] for shape, k in state.shapes],
+        "batches_since_change": state.batches_since_change,
+        "calm_batches": state.calm_batches,
+        "oom_count": state.oom_count,
+        "eval_micro_batches": state.eval_micro_batches,
+        "eval_oom_count": state.eval_oom_count,
+    }
+
+
+def _pairs(data, name, limit):
+    raw = data.get(name)
+    if not isinstance(raw, list) or len(raw) > limit:
+        raise ValueError(f"`{name}` must be a list of at most {limit}. Received: {name}={raw!r}")
+    pairs = []
+    for entry in raw:
+        if (
+            not isinstance(entry, list)
+            or len(entry) != 2
+            or not all(_is_real(v) and 0 < v < math.inf for v in entry)
+        ):
+            raise ValueError(
+                f"Each entry of `{name}` must be a [work, bytes] pair of numbers > 0. "
+                f"Received: {entry!r}"
+            )
+        pairs.append((float(entry[0]), float(entry[1])))
+    return tuple(sorted(dict(pairs).items()))
+
+
+def from_dict(data):
+    """Rebuilds a `DeciderState` written by `to_dict`.
+
+    Args:
+        data: The dictionary (after a JSON round trip).
+
+    Returns:
+        A `DeciderState`.
+
+    Raises:
+        ValueError: If `data` is not such a dictionary.
+
+    Example:
+
+    >>> state = init(make_config(), fixed_bytes=5)
+    >>> from_dict(to_dict(state)) == state
+    True
+    """
+    if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
+        raise ValueError(
+            f"Expected a decider state of version {STATE_VERSION}. Received: {data!r}"
+        )
+    counts = {}
+    for name, low in (
+        ("micro_batches", 1),
+        ("batches_since_change", 0),
+        ("calm_batches", 0),
+        ("oom_count", 0),
+        ("eval_micro_batches", 1),
+        ("eval_oom_count", 0),
+    ):
+        value = data.get(name)
+        if not _is_int(value) or value < low:
+            raise ValueError(f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
+        counts[name] = int(value)
+    sizes = {}
+    for name in ("fixed_bytes", "outside_bytes"):
+        value = data.get(name)
+        if not _is_real(value) or not 0 <= value < math.inf:
+            raise ValueError(f"`{name}` must be a number >= 0. Received: {name}={value!r}")
+        sizes[name] = float(value)
+    allocation = data.get("failed_allocation")
+    if allocation is not None:
+        if (
+            not isinstance(allocation, list)
+            or len(allocation) != 2
+            or not isinstance(allocation[0], list)
+            or not all(_is_int(d) for d in allocation[0])
+            or not _is_int(allocation[1])
+        ):
+            raise ValueError(
+                "`failed_allocation` must be None or [shape, micro_batch_size]. "
+                f"Received: failed_allocation={allocation!r}"
+            )
+        allocation = (tuple(int(d) for d in allocation[0]), int(allocation[1]))
+    shapes = data.get("shapes")
+    if not isinstance(shapes, list) or len(shapes) > MAX_SHAPES:
+        raise ValueError(f"`shapes` must be a list. Received: shapes={shapes!r}")
+    remembered = []
+    for entry in shapes:
+        if (
+            not isinstance(entry, list)
+            or len(entry) != 2
+            or not isinstance(entry[0], list)
+            or len(entry[0]) != 2
+            or not _is_int(entry[0][0])
+            or not _is_real(entry[0][1])
+            or not _is_int(entry[1])
+            or entry[1] < 1
+        ):
+            raise ValueError(
+                "Each entry of `shapes` must be [[batch_size, sample_size], k]. "
+                f"Received: {entry!r}"
+            )
+        remembered.append(((int(entry[0][0]), float(entry[0][1])), int(entry[1])))
+    return DeciderState(
+        readings=_pairs(data, "readings", MAX_READINGS),
+        failures=_pairs(data, "failures", MAX_FAILURES),
+        failed_allocation=allocation,
+        shapes=tuple(remembered),
+        **sizes,
+        **counts,
+    )

@@ -1,0 +1,323 @@
+"""Tests of keras_memguard.decider: scripted numbers in, counts out (pure, fast).
+
+The scenarios replay, with numbers, the set-ups the guard used to get wrong:
+an input pipeline holding memory beside the step, a failure the replay
+crept away from one sample at a time, an allocation no count could shrink,
+a usage hovering at the threshold.
+"""
+
+import ast
+import doctest
+import json
+import math
+import random
+
+import pytest
+
+from keras_memguard import decider
+from keras_memguard.decider import Batch, Failure, Reading
+
+MIB = 1024.0 * 1024.0
+LIMIT = 600 * MIB
+
+
+def demand(micro, fixed=20 * MIB, per_sample=3 * MIB):
+    """The step's own demand: a linear memory."""
+    return fixed + per_sample * micro
+
+
+def run(config, state, batch_size, in_use, batches=8, fits=None, sample_size=1.0):
+    """Plans and 'runs' batches; `in_use` is a number or a callable of i."""
+    ks = []
+    for i in range(batches):
+        before = in_use(i) if callable(in_use) else in_use
+        decided, state = decider.plan(
+            config, state, Batch(batch_size, sample_size, before, LIMIT)
+        )
+        k = decided.micro_batches
+        micro = -(-batch_size // k)
+        peak = before + demand(micro)
+        if peak > LIMIT or (fits is not None and not fits(micro)):
+            ks.append(("oom", k))
+            decided, state = decider.fail(
+                config, state, Failure(batch_size, k, sample_size, before, LIMIT)
+            )
+            continue
+        state = decider.observe(
+            config, state, Reading(batch_size, k, sample_size, before, peak, LIMIT)
+        )[1]
+        ks.append(k)
+    return ks, state
+
+
+def test_doctests():
+    assert doctest.testmod(decider).failed == 0
+
+
+def test_imports_neither_tensorflow_nor_keras_nor_numpy():
+    tree = ast.parse(open(decider.__file__).read())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add((node.module or "").split(".")[0])
+    assert not imported & {"tensorflow", "keras", "numpy", "jax"}
+
+
+def test_first_batch_is_split_cautiously_then_grows_to_the_target():
+    config = decider.make_config()
+    ks, _ = run(config, decider.init(config), 408, in_use=10 * MIB)
+    assert ks[0] == 8
+    # 90% of 600 MiB less 10 MiB in use = 530 MiB -> (530 - 20) / 3 = 170
+    # samples: k=3 (136 each); never over.
+    assert ks[-1] == 3
+    assert all(k != "oom" and k >= 3 for k in ks), ks
+
+
+def test_the_model_holds_the_steps_demand_not_the_memory_in_use_before():
+    config = decider.make_config()
+    state = decider.init(config)
+    for before in (10 * MIB, 300 * MIB):
+        state = decider.observe(
+            config, state, Reading(64, 1, 1.0, before, before + 200 * MIB, LIMIT)
+        )[1]
+    assert state.readings == ((64.0, 200 * MIB),)
+
+
+def test_memory_held_outside_the_step_is_planned_around_batch_by_batch():
+    """Keras' numpy pipeline prefetching into the same allocator."""
+    config = decider.make_config()
+    state = decider.init(config)
+    _, state = run(config, state, 408, in_use=10 * MIB)
+    quiet = decider.plan(config, state, Batch(408, 1.0, 10 * MIB, LIMIT))[0]
+    busy = decider.plan(config, state, Batch(408, 1.0, 400 * MIB, LIMIT))[0]
+    assert quiet.micro_batches == 3
+    # (540 - 400 - 20) / 3 = 40 samples: 11 micro-batches of 38.
+    assert busy.micro_batches == 11
+    assert busy.predicted_usage < 0.9
+
+
+def test_a_moving_baseline_never_causes_an_error_and_the_count_settles():
+    config = decider.make_config()
+    rng = random.Random(0)
+    ks, state = run(
+        config, decider.init(config), 1024,
+        in_use=lambda i: rng.choice([50, 250, 400]) * MIB, batches=40,
+    )
+    assert "oom" not in [k if k == "oom" else None for k in ks], ks
+    # Raised at once when a busier batch needs it, lowered only with room to
+    # spare: the last batches run at one count.
+    assert len(set(ks[-10:])) == 1, ks
+
+
+def test_a_usage_hovering_at_the_threshold_does_not_make_the_count_flap():
+    config = decider.make_config()
+    state = decider.init(config)
+    _, state = run(config, state, 408, in_use=10 * MIB)
+    ks = []
+    for i in range(30):
+        # +-2% of the limit of noise around the level where k=3 just fits.
+        noise = (i % 3 - 1) * 0.02 * LIMIT
+        decided, state = decider.plan(config, state, Batch(408, 1.0, 20 * MIB + noise, LIMIT))
+        ks.append(decided.micro_batches)
+    assert len(set(ks[1:])) == 1, ks
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_same_run_twice_from_an_empty_state_settles_within_ten_percent(seed):
+    config = decider.make_config()
+    settled = []
+    for run_index in range(2):
+        rng = random.Random(seed * 10 + run_index)
+        ks, _ = run(
+            config, decider.init(config), 1024,
+            in_use=lambda i: (100 + rng.random() * 80) * MIB, batches=30,
+        )
+        settled.append(-(-1024 // ks[-1]))
+    assert min(settled) >= 0.9 * max(settled), settled
+
+
+def test_after_an_error_the_replay_jumps_to_what_the_error_says_fits():
+    """Batch 1024 failing at 128 per micro-batch with 513 MiB held outside."""
+    config = decider.make_config()
+    before = 513 * MIB
+    failure = Failure(
+        1024, 8, 1.0, before, LIMIT,
+        in_use_bytes=before + 80 * MIB, allocation_bytes=48 * MIB,
+        allocation_shape=(128, 64, 64, 24), largest_free_bytes=7 * MIB,
+    )
+    decided, state = decider.fail(config, decider.init(config), failure)
+    micro = -(-1024 // decided.micro_batches)
+    # Strictly smaller, and sized from the error: not 114, 103, 94, ...
+    assert micro <= 64, decided
+    assert state.oom_count == 1 and decided.cannot_split is None
+    # The failure bounds the plans after it under the same memory in use.
+    again = decider.plan(config, state, Batch(1024, 1.0, before, LIMIT))[0]
+    assert -(-1024 // again.micro_batches) < 128
+
+
+def test_a_replay_never_keeps_the_micro_batch_that_failed():
+    """ResNet50, batch 16 at 8 micro-batches (2 samples each)."""
+    config = decider.make_config()
+    state = decider.init(config)
+    decided, state = decider.fail(config, state, Failure(16, 8, 1.0, 100 * MIB, LIMIT))
+    assert decided.micro_batches == 16  # one sample each, not 9, 10, 11, 12
+    decided, state = decider.fail(config, state, Failure(16, 16, 1.0, 100 * MIB, LIMIT))
+    assert decided.cannot_split == decider.CANNOT_SPLIT_BATCH_SIZE
+    assert not decider.one_sample_fits(config, state, Batch(16, 1.0, 100 * MIB, LIMIT))
+
+
+def test_an_allocation_that_does_not_shrink_is_reported_at_the_second_error():
+    """A 27 MiB workspace [31, 784, 288] failing at 17, then 16, ... samples."""
+    config = decider.make_config()
+    state = decider.init(config)
+    limit = 50 * MIB
+    shape = (31, 784, 288)
+    first = Failure(
+        64, 4, 1.0, 10 * MIB, limit, in_use_bytes=10 * MIB,
+        allocation_bytes=27 * MIB, allocation_shape=shape, largest_free_bytes=20 * MIB,
+    )
+    decided, state = decider.fail(config, state, first)
+    assert decided.cannot_split is None
+    second = first._replace(micro_batches=decided.micro_batches)
+    decided, state = decider.fail(config, state, second)
+    assert decided.cannot_split == decider.CANNOT_SPLIT_ALLOCATION
+    assert "does not shrink with the micro-batch" in decided.reason
+
+
+def test_an_allocation_that_grows_with_the_micro_batch_is_sized_to_the_largest_free_block():
+    config = decider.make_config()
+    failure = Failure(
+        256, 1, 1.0, 10 * MIB, LIMIT, in_use_bytes=300 * MIB,
+        allocation_bytes=256 * MIB, allocation_shape=(256, 1024, 256),
+        largest_free_bytes=64 * MIB,
+    )
+    decided, _ = decider.fail(config, decider.init(config), failure)
+    assert -(-256 // decided.micro_batches) <= 256 * 64 / 256 * decider.FAILURE_MARGIN
+
+
+def test_the_cap_stops_the_replay_with_the_reason():
+    config = decider.make_config(max_micro_batches=4)
+    decided, _ = decider.fail(config, decider.init(config), Failure(64, 4, 1.0, 0.0, LIMIT))
+    assert decided.cannot_split == decider.CANNOT_SPLIT_CAP
+
+
+def test_no_reading_fits_nothing_one_sample_over_is_said():
+    config = decider.make_config()
+    state = decider.init(config)._replace(readings=((1.0, 700 * MIB),))
+    decided, _ = decider.plan(config, state, Batch(8, 1.0, 0.0, LIMIT))
+    assert decided.micro_batches == 8
+    assert decided.reason.startswith("one sample per micro-batch")
+
+
+def test_variable_batch_sizes_keep_the_micro_batch_and_few_counts():
+    config = decider.make_config()
+    state = decider.init(config)
+    _, state = run(config, state, 256, in_use=10 * MIB)
+    rng = random.Random(3)
+    counts, micros = set(), set()
+    for _ in range(50):
+        size = rng.randint(1, 256)
+        decided, state = decider.plan(config, state, Batch(size, 1.0, 10 * MIB, LIMIT))
+        counts.add(decided.micro_batches)
+        micros.add(-(-size // decided.micro_batches))
+        assert decided.predicted_usage is None or decided.predicted_usage < 0.9
+    assert max(micros) <= 170 and len(counts) <= 2, (counts, micros)
+
+
+def test_reacting_doubles_at_the_threshold_at_once():
+    config = decider.make_config(predictive=False, cooldown=2)
+    state = decider.init(config)
+    decided, state = decider.observe(config, state, Reading(64, 1, 1.0, 0.0, 0.95 * LIMIT, LIMIT))
+    assert (decided.micro_batches, decided.changed) == (2, True)
+    assert decided.reason == "peak 95% of 600 MiB >= threshold 90%"
+
+
+def test_reacting_halves_after_the_cooldown():
+    config = decider.make_config(predictive=False, cooldown=2)
+    state = decider.init(config, micro_batches=2)
+    # Half the count is predicted at 2 x 30% = 60% < release 70%, twice.
+    ks = []
+    for _ in range(3):
+        k = state.micro_batches
+        decided, state = decider.observe(config, state, Reading(64, k, 1.0, 0.0, 0.3 * LIMIT, LIMIT))
+        ks.append(decided.micro_batches)
+    assert ks == [2, 1, 1], ks
+    # Planning in reacting mode keeps the count.
+    assert decider.plan(config, state, Batch(64, 1.0, 0.0, LIMIT))[0].micro_batches == 1
+
+
+def test_reacting_never_lowers_to_a_count_that_failed():
+    config = decider.make_config(predictive=False, cooldown=0)
+    state = decider.init(config, micro_batches=2)
+    decided, state = decider.fail(config, state, Failure(64, 2, 1.0, 0.0, LIMIT))
+    k = decided.micro_batches
+    for _ in range(5):
+        decided, state = decider.observe(
+            config, state, Reading(64, state.micro_batches, 1.0, 0.0, 0.2 * LIMIT, LIMIT)
+        )
+    assert state.micro_batches > 2 or state.micro_batches == k
+
+
+def test_evaluation_slices_halve_and_keep_trainings_count():
+    config = decider.make_config()
+    state = decider.init(config)
+    decided, state = decider.fail_evaluation(config, state, 64, 1)
+    assert decided.micro_batches == 2 and state.eval_oom_count == 1
+    assert state.micro_batches == config.first_split and state.oom_count == 0
+    decided, _ = decider.fail_evaluation(config, state, 2, 2)
+    assert decided.cannot_split == decider.CANNOT_SPLIT_BATCH_SIZE
+
+
+def test_the_state_survives_a_json_round_trip():
+    config = decider.make_config()
+    _, state = run(config, decider.init(config, fixed_bytes=123.0), 408, in_use=10 * MIB)
+    _, state = decider.fail(config, state, Failure(
+        408, 3, 1.0, 10 * MIB, LIMIT, allocation_bytes=5.0, allocation_shape=(136, 9),
+        in_use_bytes=10 * MIB, largest_free_bytes=1.0,
+    ))
+    assert decider.from_dict(json.loads(json.dumps(decider.to_dict(state)))) == state
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ([], "Expected a decider state"),
+        ({"version": 1}, "Expected a decider state of version 2"),
+        (dict(decider.to_dict(decider.init(decider.make_config())), readings=[[1, -2]]),
+         "Each entry of `readings`"),
+        (dict(decider.to_dict(decider.init(decider.make_config())), micro_batches=0),
+         "`micro_batches` must be an integer >= 1. Received: micro_batches=0"),
+    ],
+)
+def test_a_foreign_state_is_refused_with_what_was_received(data, match):
+    with pytest.raises(ValueError, match=match):
+        decider.from_dict(data)
+
+
+@pytest.mark.parametrize(
+    "kwargs, echo",
+    [
+        ({"threshold": 1.5}, "threshold=1.5"),
+        ({"threshold": True}, "threshold=True"),
+        ({"release": 0.95}, "release=0.95, threshold=0.9"),
+        ({"cooldown": -1}, "cooldown=-1"),
+        ({"growth": 1}, "growth=1"),
+        ({"first_split": 0}, "first_split=0"),
+        ({"max_micro_batches": 0}, "max_micro_batches=0"),
+        ({"min_micro_batches": 4, "max_micro_batches": 2}, "min_micro_batches=4"),
+        ({"predictive": "yes"}, "predictive='yes'"),
+    ],
+)
+def test_bad_settings_name_the_argument_and_echo_the_value(kwargs, echo):
+    with pytest.raises(ValueError, match=f"Received: {echo}"):
+        decider.make_config(**kwargs)
+
+
+def test_plan_is_cheap_enough_for_every_batch():
+    """Not a timing assertion: the plan touches a handful of numbers."""
+    config = decider.make_config()
+    _, state = run(config, decider.init(config), 408, in_use=10 * MIB)
+    assert len(state.readings) <= decider.MAX_READINGS
+    assert math.isfinite(decider.predict_demand(state, 100.0))
