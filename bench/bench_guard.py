@@ -11,7 +11,7 @@ Every figure is measured on the real path a user gets: `MemoryGuard` in
 `model.fit` on a plain Sequential model. Where a fixed number of
 micro-batches `k` is wanted, the guard is given `memory_limit=2**40` (so the
 measured usage never reaches the threshold), `cooldown=10**9` (so it never
-halves `k`) and `guard.state = policy.init_state(k)` before `fit`; the
+halves `k`) and starts at `k` (`plan=False, micro_batches=k`); the
 script checks after every fit that `k` did not move and no batch was
 replayed.
 
@@ -204,11 +204,9 @@ def generated_dataset(kind, batch, batches):
 
 def fixed_guard(k):
     """A MemoryGuard pinned at `k` micro-batches (see the module docstring)."""
-    from keras_memguard import MemoryGuard, policy
+    from keras_memguard import MemoryGuard
 
-    guard = MemoryGuard(memory_limit=2**40, cooldown=10**9)
-    guard.state = policy.init_state(k)
-    return guard
+    return MemoryGuard(memory_limit=2**40, cooldown=10**9, plan=False, micro_batches=k)
 
 
 def step_peak_callback(guard=None):
@@ -385,7 +383,7 @@ def child_peaks(task, tf):
 
 def child_recovery(task, tf):
     """Part 3: one guarded epoch under the cap, starting at `start_k`."""
-    from keras_memguard import MemoryGuard, policy
+    from keras_memguard import MemoryGuard
     from keras_memguard.training.step import step_function
 
     kind, batch = "design_cnn", task["batch"]
@@ -404,8 +402,8 @@ def child_recovery(task, tf):
         functions[k] = function
     traces_before = {k: f.experimental_get_tracing_count() for k, f in functions.items()}
 
-    guard = MemoryGuard()  # limit from the cap: TF_CPU_BFC_MEM_LIMIT_IN_MB
-    guard.state = policy.init_state(task["start_k"])
+    # Limit from the cap (TF_CPU_BFC_MEM_LIMIT_IN_MB); reacting from start_k.
+    guard = MemoryGuard(plan=False, micro_batches=task["start_k"])
     events = []
     original = guard._on_out_of_memory
 
@@ -456,12 +454,12 @@ def child_plain_fits(task, tf):
 
 def child_guard_settles(task, tf):
     """Part 4: the micro-batch size the guard settles on at data batch B."""
-    from keras_memguard import MemoryGuard, policy
+    from keras_memguard import MemoryGuard
 
     kind, batch = "design_cnn", task["batch"]
     model = build_model(kind)
-    guard = MemoryGuard()  # default threshold 0.9, limit from the cap
-    guard.state = policy.init_state(task["start_k"])
+    # Default threshold 0.9, limit from the cap; reacting from start_k.
+    guard = MemoryGuard(plan=False, micro_batches=task["start_k"])
     peaks = step_peak_callback(guard)
     error = None
     try:

@@ -60,7 +60,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from keras_memguard import planner  # noqa: E402
+from keras_memguard import decider  # noqa: E402
 from keras_memguard.callbacks import logs_carrier  # noqa: E402
 from keras_memguard.callbacks.guard import MemoryGuard  # noqa: E402
 from keras_memguard.callbacks.monitor import MemoryMonitor  # noqa: E402
@@ -245,10 +245,8 @@ def fit_path(log_dir, with_guard, plan=False):
         function = guard._function
         function.step_for = lambda micro_batches: lambda data: train_logs
         function._state_built = True  # nothing to build for the stand-in
-        guard._plan_limit = min(limit for limit in guard._limits if limit)
-        guard.planner_state = planner.init_planner_state(
-            base_bytes=0, limit_bytes=guard._plan_limit
-        )
+        guard.controller.start(min(limit for limit in guard._limits if limit))
+        guard._started = True
         batch = (tf.zeros([BATCH, FEATURES]), tf.zeros([BATCH], tf.int64))
         iterator = itertools.repeat(batch)
     else:
@@ -372,7 +370,7 @@ def main():
     print(f"Python {platform.python_version()}, TensorFlow {tf.__version__}, "
           f"Keras {keras.__version__}; {os.cpu_count()} CPU cores ({cpu_model()}); "
           f"no GPU: {not tf.config.list_physical_devices('GPU')}; keras_memguard "
-          f"from {os.path.dirname(os.path.dirname(planner.__file__))}")
+          f"from {os.path.dirname(os.path.dirname(decider.__file__))}")
     bare = None
     if not args.skip_fits:
         times, cpu_times = time_fits(x, y, variants, args.rounds)

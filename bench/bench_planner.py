@@ -46,7 +46,7 @@ count per batch; `MemoryGuard(plan=False, micro_batches=k,
 cooldown=10**9)` per count, the region reserved first): what the planner
 reads for the same step after different earlier steps.
 
-Part "cost" (in process): the per-batch cost of `planner.plan` (median of
+Part "cost" (in process): the per-batch cost of `decider.plan` (median of
 timed loops).
 
     python bench/bench_planner.py [--parts cnn,history,text,text_steps,cost]
@@ -271,17 +271,19 @@ def run_child(spec, cap_mib, keras_home=None):
 
 
 def plan_cost(rounds=7, calls=20000):
-    from keras_memguard import planner
+    from keras_memguard import decider
 
-    config = planner.make_planner_config()
-    state = planner.init_planner_state(base_bytes=1e6)
-    for work, peak in ((5e5, 2.5e8), (1e6, 4.2e8)):
-        state = planner.observe(config, state, work, 6.3e8, peak)
+    config = decider.make_config()
+    state = decider.init(config)
+    for micro, peak in ((41, 2.5e8), (82, 4.2e8)):
+        reading = decider.Reading(408, -(-408 // micro), 12288.0, 1e6, peak, 6.3e8)
+        state = decider.observe(config, state, reading)[1]
+    batch = decider.Batch(408, 12288.0, 1e6, 6.3e8)
     medians = []
     for _ in range(rounds):
         start = time.perf_counter()
         for _ in range(calls):
-            planner.plan(config, state, 408, 12288.0, 6.3e8)
+            decider.plan(config, state, batch)
         medians.append((time.perf_counter() - start) / calls * 1e6)
     return statistics.median(medians)
 

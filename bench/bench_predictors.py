@@ -17,7 +17,7 @@ process; the children of a round run one after the other in a shuffled
 order, and the figure is the median over the rounds.
 
 Predictors:
-1. planner: `keras_memguard.planner`'s line, fitted by `observe` from the
+1. planner: `keras_memguard.decider`'s line, fitted by `observe` from the
    measured peaks at two sizes (with `current` before the step as
    `base_bytes`), `predict_peak` at the others.
 2. static: from the built model's static shapes, no step run: the bytes of
@@ -510,7 +510,6 @@ def median_of(results, path):
 
 def analyse(measurements, sizes, models):
     """Per (model, mode, size) medians and per predictor errors."""
-    from keras_memguard import planner
 
     cells = {}
     for r in measurements:
@@ -566,16 +565,9 @@ def analyse(measurements, sizes, models):
             measured = {s: table[(model, mode, s)]["peak"] for s in sizes}
             # 1. the planner's line from two sizes.
             for fit_sizes in ((sizes[0], sizes[1]), (sizes[-3], sizes[-2])):
-                config = planner.make_planner_config()
-                state = planner.init_planner_state()
                 start = time.perf_counter()
-                for s in fit_sizes:
-                    cell = table[(model, mode, s)]
-                    state = planner.observe(
-                        config, state, s * ss, UNCAPPED_MIB * MIB, cell["peak"],
-                        current_bytes=cell["current_before"],
-                    )
-                preds = {s: planner.predict_peak(state, s * ss) for s in sizes
+                cells = [table[(model, mode, s)] for s in fit_sizes]
+                preds = {s: decider_peak(cells, fit_sizes, ss, s) for s in sizes
                          if s not in fit_sizes}
                 cost = (time.perf_counter() - start) * 1e6
                 rows.append({
@@ -634,9 +626,26 @@ def analyse(measurements, sizes, models):
     return table, rows
 
 
+def decider_peak(cells, fit_sizes, ss, size):
+    """The decider's predicted peak at `size`, from steps measured at `fit_sizes`.
+
+    The memory in use before the step (of the last measured one) plus the
+    step's own demand on the decider's line.
+    """
+    from keras_memguard import decider
+
+    config = decider.make_config()
+    state = decider.init(config)
+    for s, cell in zip(fit_sizes, cells):
+        reading = decider.Reading(
+            s, 1, ss, cell["current_before"], cell["peak"], UNCAPPED_MIB * MIB
+        )
+        state = decider.observe(config, state, reading)[1]
+    return (cells[-1]["current_before"] or 0) + decider.predict_demand(state, size * ss)
+
+
 def oom_predictions(result, table, sizes):
     """What the predictors said of the failed step, in bytes."""
-    from keras_memguard import planner
 
     task = result["task"]
     model, mode, size = task["model"], task["mode"], task["size"]
@@ -646,13 +655,8 @@ def oom_predictions(result, table, sizes):
         cells = [table.get((model, mode, s)) for s in fit_sizes]
         if None in cells:
             continue
-        config = planner.make_planner_config()
-        state = planner.init_planner_state()
-        for s, cell in zip(fit_sizes, cells):
-            state = planner.observe(config, state, s * ss, UNCAPPED_MIB * MIB,
-                                    cell["peak"], current_bytes=cell["current_before"])
         predictions[f"planner line, fit at {fit_sizes[0]} and {fit_sizes[1]}"] = (
-            planner.predict_peak(state, size * ss))
+            decider_peak(cells, fit_sizes, ss, size))
     xla = result.get("xla")
     if xla:
         predictions["XLA buffer sum"] = xla["sum"]

@@ -99,6 +99,9 @@ MAX_FAILURES = 4
 MAX_SHAPES = 16
 # A plan that lowers `k` aims this share of the limit under the target.
 HYSTERESIS = 0.05
+# Before any reading, a micro-batch is taken to need this many times its
+# layer outputs (kept for the backward pass, their gradients, temporaries).
+FIRST_SPLIT_ACTIVATIONS = 4.0
 # The recent high of the memory held outside the step falls by this share
 # of the limit per batch observed.
 OUTSIDE_DECAY = 0.01
@@ -266,6 +269,10 @@ class DeciderState(NamedTuple):
             `MAX_FAILURES`, sorted by work).
         fixed_bytes: The step's own memory that does not shrink with the
             micro-batch (a floor for the model's `fixed`).
+        sample_bytes: The bytes of one sample's layer outputs (from the
+            model's static shapes; 0 when unknown): before any reading, the
+            first split keeps `FIRST_SPLIT_ACTIVATIONS` times that per
+            sample within the memory free.
         outside_bytes: The recent high of the memory in use before a batch,
             falling by `OUTSIDE_DECAY` of the limit per batch observed.
         failed_allocation: `(shape, micro_batch_size)` of the last failed
@@ -284,6 +291,7 @@ class DeciderState(NamedTuple):
     readings: Tuple[Tuple[float, float], ...]
     failures: Tuple[Tuple[float, float], ...]
     fixed_bytes: float
+    sample_bytes: float
     outside_bytes: float
     failed_allocation: Optional[Tuple[Tuple[int, ...], int]]
     shapes: Tuple[Tuple[Tuple[int, float], int], ...]
@@ -404,7 +412,7 @@ def make_config(
     )
 
 
-def init(config, micro_batches=None, fixed_bytes=0):
+def init(config, micro_batches=None, fixed_bytes=0, sample_bytes=0):
     """Returns a decider state that knows nothing yet.
 
     Args:
@@ -413,6 +421,8 @@ def init(config, micro_batches=None, fixed_bytes=0):
             to `None`: `config.first_split` when planning, else `1`.
         fixed_bytes: The step's own memory that does not shrink with the
             micro-batch (the gradients' bytes), >= 0. Defaults to `0`.
+        sample_bytes: The bytes of one sample's layer outputs, >= 0 (0:
+            unknown). Defaults to `0`.
 
     Returns:
         A `DeciderState`.
@@ -432,15 +442,15 @@ def init(config, micro_batches=None, fixed_bytes=0):
             "`micro_batches` must be an integer >= 1. "
             f"Received: micro_batches={micro_batches!r}"
         )
-    if not _is_real(fixed_bytes) or not fixed_bytes >= 0:
-        raise ValueError(
-            f"`fixed_bytes` must be a number >= 0. Received: fixed_bytes={fixed_bytes!r}"
-        )
+    for name, value in (("fixed_bytes", fixed_bytes), ("sample_bytes", sample_bytes)):
+        if not _is_real(value) or not value >= 0:
+            raise ValueError(f"`{name}` must be a number >= 0. Received: {name}={value!r}")
     return DeciderState(
         micro_batches=int(micro_batches),
         readings=(),
         failures=(),
         fixed_bytes=float(fixed_bytes),
+        sample_bytes=float(sample_bytes),
         outside_bytes=0.0,
         failed_allocation=None,
         shapes=(),
@@ -609,7 +619,19 @@ def plan(config, state, batch):
         return Plan(k, previous, None, HELD), state
     shape = (batch_size, batch.sample_size)
     if not state.readings and not state.failures:
-        k = max(low, min(high, _remembered(state, shape) or config.first_split))
+        k = _remembered(state, shape) or config.first_split
+        if state.sample_bytes and batch.in_use_bytes is not None:
+            # The layer outputs of a micro-batch, several times over, in
+            # the memory free now.
+            budget = (
+                config.threshold * batch.limit_bytes
+                - batch.in_use_bytes
+                - state.fixed_bytes
+            )
+            per_sample = FIRST_SPLIT_ACTIVATIONS * state.sample_bytes
+            largest = int(budget / per_sample) if budget > 0 else 0
+            k = max(k, -(-batch_size // max(largest, 1)))
+        k = max(low, min(high, k))
         return Plan(k, previous, None, FIRST_SPLIT), _remember(state, shape, k)
     # Memory held outside the step that came and went in recent batches
     # (an input pipeline's buffers) can come back while this step runs.
@@ -628,10 +650,15 @@ def plan(config, state, batch):
         )
         k = min(ran_with, max(k, calm))
     predicted = _usage(state, batch._replace(in_use_bytes=in_use), k)
-    if fits:
-        why = f"predicted peak {_percent(predicted)} of {_mib(batch.limit_bytes)} under target {_percent(config.threshold)}"
-    else:
+    if not fits:
         why = "one sample per micro-batch: still over the target"
+    elif k == previous:
+        why = HELD  # the words only for a change: this runs every batch
+    else:
+        why = (
+            f"predicted peak {_percent(predicted)} of {_mib(batch.limit_bytes)} "
+            f"under target {_percent(config.threshold)}"
+        )
     return Plan(k, previous, predicted, why), _remember(state, shape, k)
 
 
@@ -857,8 +884,12 @@ def fail(config, state, failure):
         failure.allocation_bytes
         and failure.largest_free_bytes is not None
         and failure.largest_free_bytes < failure.allocation_bytes
+        and failure.in_use_bytes is not None
+        and failure.in_use_bytes + failure.allocation_bytes <= limit
         and _scales_with(shape, micro)
     ):
+        # The memory was there but not in one piece: the allocation, which
+        # grows with the micro-batch, must fit the largest free block.
         fraction = min(fraction, failure.largest_free_bytes / failure.allocation_bytes)
     sized = int(micro * fraction * FAILURE_MARGIN)
     replay_micro = max(1, min(micro - 1, sized))
@@ -959,6 +990,7 @@ def to_dict(state):
         "readings": [list(entry) for entry in state.readings],
         "failures": [list(entry) for entry in state.failures],
         "fixed_bytes": state.fixed_bytes,
+        "sample_bytes": state.sample_bytes,
         "outside_bytes": state.outside_bytes,
         "failed_allocation": None if allocation is None else [list(allocation[0]), allocation[1]],
         "shapes": [[list(shape), k] for shape, k in state.shapes],
@@ -1025,7 +1057,7 @@ def from_dict(data):
             raise ValueError(f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
         counts[name] = int(value)
     sizes = {}
-    for name in ("fixed_bytes", "outside_bytes"):
+    for name in ("fixed_bytes", "sample_bytes", "outside_bytes"):
         value = data.get(name)
         if not _is_real(value) or not 0 <= value < math.inf:
             raise ValueError(f"`{name}` must be a number >= 0. Received: {name}={value!r}")

@@ -292,6 +292,39 @@ def tensor_candidates(model, micro_batch_size, batch_size=None):
     return [(size[0], name, kind, shape) for size, name, kind, shape in candidates]
 
 
+def layer_output_bytes(model):
+    """Bytes of one sample's layer outputs, from the model's static shapes.
+
+    The sum over the model's layers (not its inputs) of each output's size
+    at one sample: what a forward pass keeps for the backward pass, before
+    anything is measured. `0` when a layer's output size is unknown (a
+    subclassed model, a dimension other than the batch left open).
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    >>> layer_output_bytes(model)
+    16
+    """
+    total = 0
+    try:
+        layers = [layer for layer in compat.all_layers(model) if layer is not model]
+    except Exception:  # A model Keras cannot walk: unknown.
+        return 0
+    for layer in layers:
+        if isinstance(layer, keras.layers.InputLayer) or compat.all_layers(layer)[1:]:
+            continue
+        outputs = _outputs(layer)
+        if not outputs:
+            return 0
+        for tensor in outputs:
+            size = _bytes(tensor, 1)
+            if size is None:
+                return 0
+            total += size[0]
+    return total
+
+
 def _outputs(layer):
     try:
         output = layer.output

@@ -40,20 +40,24 @@ class GuardController:
         # The last plan: (state, batch_size, sample_size, in_use, k).
         self._memo = None
 
-    def start(self, limit_bytes, fixed_bytes=0.0, state=None):
+    def start(self, limit_bytes, fixed_bytes=0.0, sample_bytes=0.0, state=None):
         """Starts a `fit`: the limit planned against, and what is known.
 
         Args:
             limit_bytes: The device memory limit planned against.
             fixed_bytes: The step's memory that does not shrink with the
                 micro-batch (the gradients' bytes).
+            sample_bytes: The bytes of one sample's layer outputs (0:
+                unknown).
             state: A `DeciderState` to go on from (saved state or the plan
                 cache), or `None` to keep the current one.
         """
         self.limit_bytes = float(limit_bytes)
         if state is not None:
             self.state = state
-        self.state = self.state._replace(fixed_bytes=float(fixed_bytes))
+        self.state = self.state._replace(
+            fixed_bytes=float(fixed_bytes), sample_bytes=float(sample_bytes)
+        )
         self._memo = None
 
     def plan(self, batch_size, sample_size, in_use_bytes):

@@ -545,7 +545,12 @@ class MemoryGuard(keras.callbacks.Callback):
                     "" if len(state.readings) == 1 else "s",
                     plan_cache.path_for(self._plan_key),
                 )
-        self.controller.start(limit, _gradient_bytes(self.model), state)
+        self.controller.start(
+            limit,
+            _gradient_bytes(self.model),
+            oom_explanation.layer_output_bytes(self.model),
+            state,
+        )
         self._started = True
 
     # Out of memory.
