@@ -139,9 +139,13 @@ class MemoryDumpCapture:
     """Where the allocator writes its dumps during a `fit`, and reading them.
 
     When the user set `TF_BFC_MEMORY_DUMP` already, their files are read and
-    kept; otherwise the dumps go to a temporary directory removed by
-    `close()`. TensorFlow reads the variable at each failure, so setting it
-    after TensorFlow started works.
+    kept; otherwise the dumps go to a temporary directory named after this
+    process, removed by `close()`. TensorFlow reads the variable at each
+    failure, so setting it after TensorFlow started works. The allocator may
+    write many dumps while it retries; `take_latest` reads the newest and
+    deletes every other, and a directory left by a process that was killed
+    (its process id no longer runs) is swept when the next capture starts,
+    so dumps never pile up.
     """
 
     def __init__(self):
@@ -150,7 +154,8 @@ class MemoryDumpCapture:
         if self._previous:
             self.prefix = self._previous
         else:
-            self._directory = tempfile.mkdtemp(prefix="keras_memguard-dump-")
+            sweep_stale_dump_directories()
+            self._directory = tempfile.mkdtemp(prefix=f"{_DUMP_DIRECTORY}{os.getpid()}-")
             self.prefix = os.path.join(self._directory, "memory")
             os.environ[MEMORY_DUMP_VARIABLE] = self.prefix
             # A `fit` that raises never reaches `on_train_end`.
@@ -163,7 +168,6 @@ class MemoryDumpCapture:
     def take_latest(self):
         """The newest dump written since the last call, parsed, or `None`."""
         new = [path for path in self._files() if path not in self._seen]
-        self._seen.update(new)
         if not new:
             return None
         newest = max(new, key=_written_at)
@@ -172,7 +176,9 @@ class MemoryDumpCapture:
                 dump = compat.parse_bfc_memory_dump(file.read())
         except (OSError, ValueError):
             dump = None
-        if self._directory is not None:
+        if self._directory is None:
+            self._seen.update(new)  # the user's files stay
+        else:
             for path in new:
                 with contextlib.suppress(OSError):
                     os.remove(path)
@@ -187,6 +193,40 @@ class MemoryDumpCapture:
             del os.environ[MEMORY_DUMP_VARIABLE]
         shutil.rmtree(self._directory, ignore_errors=True)
         self._directory = None
+
+
+_DUMP_DIRECTORY = "keras_memguard-dump-"
+
+
+def sweep_stale_dump_directories(root=None):
+    """Removes dump directories whose process no longer runs.
+
+    Args:
+        root: The folder to sweep. Defaults to `None`: the system's
+            temporary folder.
+
+    Returns:
+        The number of directories removed.
+    """
+    root = root or tempfile.gettempdir()
+    removed = 0
+    for path in glob.glob(os.path.join(glob.escape(root), _DUMP_DIRECTORY + "*")):
+        owner = os.path.basename(path)[len(_DUMP_DIRECTORY):].split("-", 1)[0]
+        if owner.isdigit() and _process_runs(int(owner)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed += 1
+    return removed
+
+
+def _process_runs(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: it runs
+        return True
+    return True
 
 
 def _written_at(path):

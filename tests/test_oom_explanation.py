@@ -7,6 +7,9 @@ TensorFlow's own `MemoryDump` protobuf and real Keras models.
 
 import json
 import os
+import subprocess
+import sys
+import tempfile
 
 import keras
 import pytest
@@ -198,3 +201,32 @@ def test_dump_capture_sets_the_variable_and_restores_it(tmp_path, monkeypatch):
     capture.close()
     assert os.environ[oom_explanation.MEMORY_DUMP_VARIABLE] == mine
     assert os.path.exists(f"{mine}_bfc.5")
+
+
+def test_dumps_never_pile_up_and_a_killed_process_leaves_nothing_behind(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv(oom_explanation.MEMORY_DUMP_VARIABLE, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    # A directory of a process that no longer runs (a fit stopped by a
+    # timeout), one of a running process (this one), and an old-style name.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    stale = tmp_path / f"keras_memguard-dump-{dead.stdout.strip()}-abc"
+    stale.mkdir()
+    (stale / "memory_bfc.1").write_bytes(b"x" * 1000)
+    live = tmp_path / f"keras_memguard-dump-{os.getpid()}-def"
+    live.mkdir()
+    old_style = tmp_path / "keras_memguard-dump-xyz"
+    old_style.mkdir()
+    capture = oom_explanation.MemoryDumpCapture()
+    assert not stale.exists() and not old_style.exists() and live.exists()
+    prefix = os.environ[oom_explanation.MEMORY_DUMP_VARIABLE]
+    # The allocator retrying writes many dumps for one error: one is read,
+    # none is left.
+    for stamp in range(50):
+        with open(f"{prefix}_bfc.{stamp}", "wb") as file:
+            file.write(make_dump([MIB * (stamp + 1)], []).SerializeToString())
+    assert capture.take_latest().stats.bytes_in_use == 50 * MIB
+    assert os.listdir(os.path.dirname(prefix)) == []
+    capture.close()
