@@ -117,6 +117,10 @@ CANNOT_SPLIT_CAP = "max_micro_batches"
 CANNOT_SPLIT_ALLOCATION = "allocation"
 
 FIRST_SPLIT = "nothing measured yet: a cautious first split"
+SMALLER = (
+    "a smaller micro-batch, to tell memory that grows with it from memory "
+    "that does not"
+)
 HELD = "held"
 
 _MIB = 1024 * 1024
@@ -639,6 +643,22 @@ def plan(config, state, batch):
     target = config.threshold * batch.limit_bytes
     k, fits = _count_for(config, state, batch_size, batch.sample_size, target - in_use)
     ran_with = _remembered(state, shape)
+    if (
+        len(state.readings) == 1
+        and not state.failures
+        and ran_with is not None
+        and k >= ran_with
+        and ran_with < high
+    ):
+        # One reading cannot tell memory that grows with the micro-batch
+        # from memory that does not, and the bound it gives allows no
+        # growth: measure a micro-batch half as large (safe) to find out.
+        half = max(1, int(state.readings[0][0] / batch.sample_size) // 2)
+        k = max(low, min(high, -(-batch_size // half)))
+        return (
+            Plan(k, previous, _usage(state, batch._replace(in_use_bytes=in_use), k), SMALLER),
+            _remember(state, shape, k),
+        )
     if ran_with is not None and k < ran_with:
         # Lower only to a count that fits with the band to spare.
         calm, _ = _count_for(

@@ -135,7 +135,8 @@ def test_guard_doubles_micro_batches_when_the_peak_reaches_the_threshold(caplog,
     assert guard.micro_batches >= 2
     lines = [r.getMessage() for r in caplog.records if "micro-batches 1 -> 2" in r.getMessage()]
     assert lines and re.match(
-        r"peak (9\d|1\d\d)% of \d+ MiB >= 90%: micro-batches 1 -> 2 \(micro-batch 25\)$",
+        r"peak (9\d|1\d\d)% of \d+ MiB >= threshold 90%: micro-batches 1 -> 2 "
+        r"\(micro-batch 25\)$",
         lines[0],
     ), lines
 

@@ -62,7 +62,7 @@ def main(argv=None):
             "weights": weights(model),
         })
 
-    # (2) The same batch runs out of memory twice: halves fail too, quarters fit.
+    # (2) A batch that fits only in quarters: one error, replayed at quarters.
     # (5) Then two more fits with the same guard: k stays, nothing lost.
     start = TWICE_STEP * BATCH
     x, y = make_data(TWICE_BATCHES, [((start, start + BATCH), QUARTER_MIB)], seed=5)
