@@ -4,6 +4,7 @@ from keras_memguard.training import accumulation
 from keras_memguard.training.replay import run_execution
 from keras_memguard.training.splitting import validate_micro_batches
 from keras_memguard.training.splitting import validate_mode
+from keras_memguard.training.step import MIXIN_STEP_MARK
 from keras_memguard.training.step import micro_batch_train_step
 from keras_memguard.training.step import step_function
 
@@ -162,6 +163,8 @@ class MemGuardMixin:
         return micro_batch_train_step(
             self, data, self.micro_batches, self.micro_batch_mode
         )
+
+    setattr(train_step, MIXIN_STEP_MARK, True)
 
     def accumulate_gradients(self, data, compute_loss=None, variables=None):
         """Computes a batch's gradients over `self.micro_batches` micro-batches.

@@ -96,13 +96,16 @@ def build_optimizer(model):
     optimizer.built = True
 
 
+# Set on `MemGuardMixin.train_step`, so this module need not import the
+# mixin (which imports it): an override of the mixin's step lacks it.
+MIXIN_STEP_MARK = "_memguard_mixin_step"
+
+
 def trains_with_own_step(model):
     """Whether `model.train_step` is neither Keras' nor the mixin's."""
-    from keras_memguard.training.mixin import MemGuardMixin
-
     step = type(model).train_step
-    return step is not keras.Model.train_step and (
-        step is not MemGuardMixin.train_step
+    return step is not keras.Model.train_step and not getattr(
+        step, MIXIN_STEP_MARK, False
     )
 
 
