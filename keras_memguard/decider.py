@@ -643,22 +643,15 @@ def plan(config, state, batch):
     target = config.threshold * batch.limit_bytes
     k, fits = _count_for(config, state, batch_size, batch.sample_size, target - in_use)
     ran_with = _remembered(state, shape)
-    if (
-        len(state.readings) == 1
-        and not state.failures
-        and ran_with is not None
-        and k >= ran_with
-        and ran_with < high
-    ):
+    if len(state.readings) == 1 and not state.failures:
         # One reading cannot tell memory that grows with the micro-batch
-        # from memory that does not, and the bound it gives allows no
-        # growth: measure a micro-batch half as large (safe) to find out.
-        half = max(1, int(state.readings[0][0] / batch.sample_size) // 2)
-        k = max(low, min(high, -(-batch_size // half)))
-        return (
-            Plan(k, previous, _usage(state, batch._replace(in_use_bytes=in_use), k), SMALLER),
-            _remember(state, shape, k),
-        )
+        # from memory that does not; when the bound it gives allows no
+        # growth, measure a micro-batch half as large (safe) to find out.
+        measured = int(state.readings[0][0] / batch.sample_size)
+        probe = max(low, min(high, -(-batch_size // max(1, measured // 2))))
+        if -(-batch_size // k) <= measured and probe > k:
+            usage = _usage(state, batch._replace(in_use_bytes=in_use), probe)
+            return Plan(probe, previous, usage, SMALLER), _remember(state, shape, probe)
     if ran_with is not None and k < ran_with:
         # Lower only to a count that fits with the band to spare.
         calm, _ = _count_for(

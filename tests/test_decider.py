@@ -75,6 +75,20 @@ def test_first_batch_is_split_cautiously_then_grows_to_the_target():
     assert all(k != "oom" and k >= 3 for k in ks), ks
 
 
+@pytest.mark.parametrize("in_use", [10 * MIB, 200 * MIB, 400 * MIB])
+def test_planning_again_from_the_state_a_plan_returned_gives_the_same_count(in_use):
+    config = decider.make_config()
+    state = decider.init(config)
+    batch = Batch(64, 1.0, in_use, LIMIT)
+    for _ in range(3):
+        decided, state = decider.plan(config, state, batch)
+        again, _ = decider.plan(config, state, batch)
+        assert again.micro_batches == decided.micro_batches
+        k = decided.micro_batches
+        peak = in_use + demand(-(-64 // k), fixed=2 * MIB, per_sample=MIB)
+        state = decider.observe(config, state, Reading(64, k, 1.0, in_use, peak, LIMIT))[1]
+
+
 def test_the_model_holds_the_steps_demand_not_the_memory_in_use_before():
     config = decider.make_config()
     state = decider.init(config)
