@@ -744,7 +744,7 @@ def observe(config, state, reading):
     work = reading.work
     demand = max(float(peak) - before, 1.0)
     readings = state.readings
-    if dict(readings).get(work, -1.0) < demand:
+    if next((d for w, d in readings if w == work), -1.0) < demand:
         readings = _record(readings, work, demand, MAX_READINGS)
     outside = max(before, state.outside_bytes - OUTSIDE_DECAY * reading.limit_bytes, 0.0)
     if readings is state.readings and outside == state.outside_bytes:

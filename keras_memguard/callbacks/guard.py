@@ -230,20 +230,7 @@ class MemoryGuard(keras.callbacks.Callback):
                 f"Received: escalate={escalate!r}"
             )
         validate_micro_batches(micro_batches)
-        if max_micro_batches is not None and (
-            isinstance(max_micro_batches, bool)
-            or not isinstance(max_micro_batches, int)
-            or max_micro_batches < 1
-        ):
-            raise ValueError(
-                "`max_micro_batches` must be None or an integer >= 1. "
-                f"Received: max_micro_batches={max_micro_batches!r}"
-            )
-        if max_micro_batches is not None and micro_batches > max_micro_batches:
-            raise ValueError(
-                "`micro_batches` must not exceed `max_micro_batches`. Received: "
-                f"micro_batches={micro_batches}, max_micro_batches={max_micro_batches}"
-            )
+        # Validates threshold, release, cooldown and max_micro_batches.
         self.config = decider.make_config(
             threshold=threshold,
             release=release,
@@ -252,6 +239,11 @@ class MemoryGuard(keras.callbacks.Callback):
             max_micro_batches=max_micro_batches,
             predictive=plan,
         )
+        if max_micro_batches is not None and micro_batches > max_micro_batches:
+            raise ValueError(
+                "`micro_batches` must not exceed `max_micro_batches`. Received: "
+                f"micro_batches={micro_batches}, max_micro_batches={max_micro_batches}"
+            )
         if memory_limit is not None:
             AllocatorProbe(memory_limit=memory_limit)  # validates it
         self.mode = mode
@@ -561,10 +553,6 @@ class MemoryGuard(keras.callbacks.Callback):
         # Each replica splits its own part of the (global) batch.
         replica_batch_size = function.last_replica_batch_size or batch_size
         explanation = self._explain(error, replica_batch_size, micro_batches)
-        limit = self.controller.limit_bytes or explanation.limit_bytes
-        if not self._started:
-            self.controller.start(limit, _gradient_bytes(self.model))
-            self._started = True
         decided = self.controller.fail(
             decider.Failure(
                 replica_batch_size or _UNKNOWN_BATCH_SIZE,
