@@ -110,3 +110,17 @@ def test_out_of_memory_in_a_mirrored_step_is_replayed_with_the_same_update(
 @counts_are_reliable
 def test_out_of_memory_replay_counts_every_sample_once(capped):
     assert capped["samples"] == [320.0]
+
+
+def test_logged_values_equal_plain_keras_under_the_strategy(uncapped):
+    result, _ = uncapped
+    logs = result["logs"]
+    # The metric's variable holds both replicas' 512 samples: plain Keras
+    # logs 512 at the epoch's end, and so does a guarded fit.
+    assert logs["plain"] == [512.0]
+    assert logs["guard"] == logs["plain"]
+    # A loss of the user's own comes back on its own scale, as its extras
+    # and a plain GradientTape loss do.
+    own = logs["own_step"]
+    np.testing.assert_allclose(own["loss"], own["same"], rtol=1e-5)
+    np.testing.assert_allclose(own["loss"], own["tape"], rtol=1e-2)

@@ -5,7 +5,11 @@ callbacks, in list order, one copy of those logs: a key a callback adds in
 `on_train_batch_end` reaches only the callbacks after it. And the epoch logs
 are built from the dict the train function returned last: when it holds keys
 other than the model's metrics, `_get_metrics_result_or_logs` returns it
-as it is (Keras 3.8 through 3.15).
+as it is (Keras 3.8 through 3.15) instead of the metrics' results, which
+under a distribution strategy are read across replicas. While installed,
+the carrier has that choice made without the keys it added
+(`compat.choose_metrics_results_beside`), so the epoch logs are the
+metrics' results, as in plain Keras, plus those keys.
 
 So the values are put in where every callback, `History`, `CSVLogger`, the
 progress bar and `keras.callbacks.TensorBoard` see them whatever the order:
@@ -23,6 +27,8 @@ train end.
 
 The carrier costs one Python call per contributor per execution.
 """
+
+from keras_memguard.training import compat
 
 __all__ = ["LogsCarrier", "attach", "current", "detach", "reinstall"]
 
@@ -47,6 +53,8 @@ class LogsCarrier:
         self.original = original
         self.inner = original
         self.calls = 0
+        # The keys the contributors added to the last logs.
+        self.added_keys = ()
         self._contributors = {}
         self._call_list = ()
         self._fit = None
@@ -55,8 +63,12 @@ class LogsCarrier:
         logs = self.inner(iterator)
         self.calls += 1
         if self._call_list and isinstance(logs, dict):
+            size = len(logs)
             for contribute in self._call_list:
                 contribute(logs)
+            if len(logs) - size != len(self.added_keys):
+                # Dicts keep insertion order: the added keys come last.
+                self.added_keys = tuple(logs)[size:]
         return logs
 
     @property
@@ -113,6 +125,8 @@ def attach(model, owner, contribute, fit=None):
     if carrier is None:
         carrier = LogsCarrier(model.train_function)
         model.train_function = carrier
+        # The epoch logs stay the metrics' results beside the added keys.
+        compat.choose_metrics_results_beside(model, lambda: carrier.added_keys)
     carrier._add(owner, contribute, fit)
     return carrier
 
@@ -144,3 +158,4 @@ def detach(model, owner):
     carrier._remove(owner)
     if not carrier._contributors:
         model.train_function = carrier.original
+        compat.restore_metrics_results_choice(model)

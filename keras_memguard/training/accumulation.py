@@ -60,9 +60,10 @@ class AccumulatedGradients(NamedTuple):
             a custom `compute_loss`, or when the compiled metrics were
             updated micro-batch by micro-batch.
         loss: The whole batch's mean loss: the micro-batch losses weighted
-            by their share of the samples, summed, and unscaled for
-            distribution (the value the built-in step gives the loss
-            tracker).
+            by their share of the samples, summed; for the model's own loss,
+            unscaled for distribution (the value the built-in step gives the
+            loss tracker); a `loss_fn` or `compute_loss` of yours comes back
+            on the scale it returned, as `extras` do.
         batch_size: The number of samples in the batch, a scalar `int32`
             tensor.
         extras: A `dict` of the extras `compute_loss` returned, each
@@ -406,7 +407,10 @@ def accumulate_gradients(
     if variables is None:
         variables = model.trainable_weights
     variables = list(variables)
-    engine = _Engine(model, variables, compute, update_metrics)
+    # Keras' own loss is scaled down by the replica count (its gradients
+    # are summed over replicas); a loss of the user's is not.
+    unscale = compute_loss is None and loss_fn is None
+    engine = _Engine(model, variables, compute, update_metrics, unscale)
     carry, y_pred, batch_size = run_micro_batches(
         data,
         micro_batches,
@@ -424,8 +428,9 @@ class _Engine:
     losses, the extras (sorted by name), then the metric state.
     """
 
-    def __init__(self, model, variables, compute, update_metrics):
+    def __init__(self, model, variables, compute, update_metrics, unscale=True):
         self.model = model
+        self.unscale = unscale
         self.variables = variables
         self.compute = compute
         self.update_metrics = update_metrics
@@ -507,7 +512,7 @@ class _Engine:
                 carry[:n_grads], self.layout, self.variables
             ),
             y_pred=y_pred,
-            loss=compat.unscale_loss_for_distribution(loss),
+            loss=compat.unscale_loss_for_distribution(loss) if self.unscale else loss,
             batch_size=batch_size,
             extras=extras,
             output_losses=list(outputs),

@@ -205,6 +205,37 @@ def metrics_result_or_logs(model, logs):
     return _attribute(model, "_get_metrics_result_or_logs")(logs)
 
 
+def choose_metrics_results_beside(model, extra_keys):
+    """Keras' choice between metrics' results and logs, ignoring `extra_keys`.
+
+    Keras builds `fit`'s epoch logs from its metrics' results (read across
+    replicas) only when the last step's logs hold exactly the metrics'
+    keys; with keys added beside them it keeps the last step's logs, which
+    under a distribution strategy are one replica's view. While installed
+    on `model`, the keys `extra_keys()` names are set aside for that choice
+    and put back after it. `restore_metrics_results_choice` removes it.
+    """
+    original = _attribute(model, "_get_metrics_result_or_logs")
+
+    def results_or_logs(logs):
+        if isinstance(logs, dict):
+            extras = {key: logs[key] for key in extra_keys() if key in logs}
+            if extras:
+                rest = {key: value for key, value in logs.items() if key not in extras}
+                chosen = original(rest)
+                if chosen is not rest:
+                    return {**chosen, **extras}
+        return original(logs)
+
+    # An instance attribute, not tracked by Keras, shadowing the method.
+    object.__setattr__(model, "_get_metrics_result_or_logs", results_or_logs)
+
+
+def restore_metrics_results_choice(model):
+    """Removes what `choose_metrics_results_beside` installed on `model`."""
+    model.__dict__.pop("_get_metrics_result_or_logs", None)
+
+
 def learning_rate_variable(optimizer):
     """The optimizer's learning-rate variable, or `None` for a schedule."""
     value = _attribute(optimizer, "_learning_rate")

@@ -75,7 +75,81 @@ def run_uncapped(strategy, log_dir):
         out["empty_replica"] = history.history["samples"]
     except Exception as error:
         out["empty_replica"] = f"{type(error).__name__}: {str(error)[:300]}"
+    out["logs"] = logged_values(strategy)
     emit_result(out)
+
+
+def logged_values(strategy):
+    """What plain Keras and the guard log under the strategy, side by side.
+
+    A compiled metric whose `result()` is a copy of its sum (the metric's
+    variable holds the sum over both replicas), and a `MemGuardMixin` model
+    whose own `train_step` logs `accumulate_gradients(...).loss` beside the
+    same value passed through `extras` and a plain `GradientTape` loss.
+    """
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    import keras_memguard
+
+    class Count(keras.metrics.Metric):
+        def __init__(self, name="count", **kwargs):
+            super().__init__(name=name, **kwargs)
+            self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            self.total.assign_add(tf.cast(tf.shape(y_true)[0], "float32"))
+
+        def result(self):
+            return self.total * 1.0
+
+    class OwnStep(keras_memguard.MemGuardMixin, keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def train_step(self, data):
+            x, y = data
+
+            def compute_loss(x, y, sample_weight):
+                loss = keras.ops.mean(keras.ops.square(self(x) - y))
+                return loss, {"same": loss}
+
+            result = self.accumulate_gradients(data, compute_loss=compute_loss)
+            with tf.GradientTape() as tape:
+                tape_loss = keras.ops.mean(keras.ops.square(self(x) - y))
+            with tf.control_dependencies(result.control_inputs()):
+                self.optimizer.apply(result.gradients, self.trainable_weights)
+                return {"loss": result.loss, "same": result.extras["same"],
+                        "tape": tape_loss}
+
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(512, 8)).astype("float32")
+    y = rng.normal(size=(512, 1)).astype("float32")
+    out = {}
+    for name, callbacks in (
+        ("plain", []),
+        ("guard", [keras_memguard.MemoryGuard(
+            plan=False, micro_batches=2, cooldown=1000, memory_limit=1 << 40)]),
+    ):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+            model.compile("sgd", "mse", metrics=[Count()])
+        history = model.fit(x, y, batch_size=512, epochs=1, verbose=0, callbacks=callbacks)
+        out[name] = history.history["count"]
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = OwnStep()
+        model.build((None, 8))
+        model.compile("sgd")
+    model.micro_batches = 2
+    history = model.fit(x, y, batch_size=512, epochs=1, verbose=0)
+    out["own_step"] = {key: history.history[key][0] for key in ("loss", "same", "tape")}
+    return out
 
 
 def run_capped(strategy):
