@@ -333,6 +333,17 @@ def test_larger_batches_under_a_real_cap_settle_near_the_best_with_no_error(batc
     assert 0.85 * best <= settled <= best, result
 
 
+def test_numpy_arrays_through_keras_own_pipeline_run_with_no_error_under_a_real_cap():
+    # Keras' pipeline holds the arrays (192 MiB) and prefetched batches of
+    # 48 MiB in the capped allocator: about 450 MiB of 600 in use before a
+    # step. The guard plans into what is left (it ran out of memory five
+    # times in the first step when it planned from peaks alone).
+    result = capped_result("planning_under_cap", 600, 1024, 4, "numpy")
+    assert result["samples"] == [4 * 1024.0]
+    assert result["oom_recoveries"] == 0, result
+    assert len(set(result["ks"][1:])) == 1, result  # a steady count
+
+
 def test_bucketed_text_under_a_real_cap_plans_each_length_with_no_error():
     result = capped_result("text_under_cap", 200)
     # Plain training does not fit the longest bucket under this cap.

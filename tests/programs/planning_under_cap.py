@@ -1,7 +1,8 @@
 """The planner under a real 600 MiB cap: one guarded run of a set-up.
 
 The 64x64x3 CNN of the benchmarks, at the batch size and for the steps
-given as arguments (default: batch 272, 4 steps). Under this cap plain
+given as arguments (default: batch 272, 4 steps), fed a tf.data pipeline
+that prefetches nothing or, with a third argument `numpy`, numpy arrays. Under this cap plain
 training fits 160 samples but not 170 with the rest of the cap reserved in
 one allocator region, 136 without (tests/test_guard.py shows 256 failing).
 Run twice by tests/test_planning.py, in two processes sharing one
@@ -19,6 +20,9 @@ from programs.common import SampleCount, collect_package_messages, design_cnn
 
 BATCH = int(sys.argv[1]) if len(sys.argv) > 1 else 272
 STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+# "dataset" (no prefetch) or "numpy": arrays through Keras' own pipeline,
+# which holds them and prefetches batches in the same capped allocator.
+INPUT = sys.argv[3] if len(sys.argv) > 3 else "dataset"
 
 
 def make_model():
@@ -45,7 +49,16 @@ def guarded_run():
     messages = collect_package_messages()
     ks = MicroBatchCounts()
     guard = keras_memguard.MemoryGuard()
-    history = make_model().fit(dataset(), epochs=1, verbose=0, callbacks=[ks, guard])
+    if INPUT == "numpy":
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        x = rng.random((BATCH * STEPS, 64, 64, 3), dtype=np.float32)
+        y = rng.integers(0, 10, BATCH * STEPS)
+        data = {"x": x, "y": y, "batch_size": BATCH, "shuffle": False}
+    else:
+        data = {"x": dataset()}
+    history = make_model().fit(**data, epochs=1, verbose=0, callbacks=[ks, guard])
     return {
         "samples": history.history["samples"],
         "oom_recoveries": guard.oom_recoveries,
