@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from typing import NamedTuple, Optional, Tuple
 
 import keras
@@ -212,11 +213,26 @@ def sweep_stale_dump_directories(root=None):
     removed = 0
     for path in glob.glob(os.path.join(glob.escape(root), _DUMP_DIRECTORY + "*")):
         owner = os.path.basename(path)[len(_DUMP_DIRECTORY):].split("-", 1)[0]
-        if owner.isdigit() and _process_runs(int(owner)):
+        if owner.isdigit():
+            if _process_runs(int(owner)):
+                continue
+        elif _age_seconds(path) < _UNOWNED_DUMP_AGE_S:
+            # No process id in the name (an older version of the package,
+            # maybe still running): swept only once a day old.
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed += 1
     return removed
+
+
+_UNOWNED_DUMP_AGE_S = 24 * 3600
+
+
+def _age_seconds(path):
+    try:
+        return time.time() - os.path.getmtime(path)
+    except OSError:
+        return 0.0
 
 
 def _process_runs(pid):

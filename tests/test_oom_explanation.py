@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import keras
 import pytest
@@ -219,8 +220,13 @@ def test_dumps_never_pile_up_and_a_killed_process_leaves_nothing_behind(
     live.mkdir()
     old_style = tmp_path / "keras_memguard-dump-xyz"
     old_style.mkdir()
+    day_old = time.time() - 25 * 3600
+    os.utime(old_style, (day_old, day_old))
+    recent_old_style = tmp_path / "keras_memguard-dump-uvw"
+    recent_old_style.mkdir()
     capture = oom_explanation.MemoryDumpCapture()
-    assert not stale.exists() and not old_style.exists() and live.exists()
+    assert not stale.exists() and not old_style.exists()
+    assert live.exists() and recent_old_style.exists()
     prefix = os.environ[oom_explanation.MEMORY_DUMP_VARIABLE]
     # The allocator retrying writes many dumps for one error: one is read,
     # none is left.

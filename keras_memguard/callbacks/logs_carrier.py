@@ -29,6 +29,7 @@ The carrier costs one Python call per contributor per execution.
 """
 
 from keras_memguard.training import compat
+from keras_memguard.training import functions
 
 __all__ = ["LogsCarrier", "attach", "current", "detach", "reinstall"]
 
@@ -124,7 +125,7 @@ def attach(model, owner, contribute, fit=None):
     carrier = current(model)
     if carrier is None:
         carrier = LogsCarrier(model.train_function)
-        model.train_function = carrier
+        functions.set_train_function(model, carrier)
         # The epoch logs stay the metrics' results beside the added keys.
         compat.choose_metrics_results_beside(model, lambda: carrier.added_keys)
     carrier._add(owner, contribute, fit)
@@ -142,7 +143,7 @@ def reinstall(model, carrier, original):
     if carrier is None or current(model) is carrier:
         return
     carrier.original = carrier.inner = original
-    model.train_function = carrier
+    functions.set_train_function(model, carrier)
 
 
 def detach(model, owner):
@@ -157,5 +158,5 @@ def detach(model, owner):
         return
     carrier._remove(owner)
     if not carrier._contributors:
-        model.train_function = carrier.original
+        functions.set_train_function(model, carrier.original)
         compat.restore_metrics_results_choice(model)

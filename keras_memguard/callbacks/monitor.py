@@ -15,6 +15,7 @@ from keras_memguard.callbacks.sampling import shared_reader
 from keras_memguard.probes.tf_allocator import AllocatorProbe
 from keras_memguard.probes.nvml import NvmlProbe
 from keras_memguard.sinks import tensorboard as tb
+from keras_memguard.training import functions
 
 logger = logging.getLogger("keras_memguard")
 
@@ -516,7 +517,7 @@ class _SpikeProfiler:
             self._uninstall()
             return self._trace(original, iterator, spike)
 
-        model.train_function = traced
+        functions.set_train_function(model, traced)
         self._installed = (model, traced, original)
 
     def _uninstall(self):
@@ -526,7 +527,7 @@ class _SpikeProfiler:
         self._installed = None
         model, traced, original = installed
         if getattr(model, "train_function", None) is traced:
-            model.train_function = original
+            functions.set_train_function(model, original)
 
     def _trace(self, function, iterator, spike):
         if not self._start(spike):

@@ -39,6 +39,7 @@ from keras import tree
 
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.training import compat
+from keras_memguard.training import functions
 from keras_memguard.training.replay import batch_size_of
 from keras_memguard.training.replay import run_execution
 from keras_memguard.training.splitting import validate_micro_batches
@@ -141,14 +142,14 @@ class ReplayTestFunction:
         if self._installed:
             return
         self._previous = self.model.test_function
-        self.model.test_function = self
+        functions.set_test_function(self.model, self)
         self._installed = True
         self._saved = None
 
     def restore(self):
         """Puts back the `test_function` found by `install()`. Safe to call twice."""
         if self._installed and self.model.test_function is self:
-            self.model.test_function = self._previous
+            functions.set_test_function(self.model, self._previous)
         self._installed = False
         self._previous = None
         self._saved = None

@@ -1,6 +1,7 @@
 """`MemGuardMixin`: a micro-batched `train_step` for Keras model classes."""
 
 from keras_memguard.training import accumulation
+from keras_memguard.training import functions
 from keras_memguard.training.replay import run_execution
 from keras_memguard.training.splitting import validate_micro_batches
 from keras_memguard.training.splitting import validate_mode
@@ -224,10 +225,9 @@ class MemGuardMixin:
         if self.train_function is not None and not force:
             return self.train_function
         _set_private(self, "_memguard_train_functions", {})
-        self.train_function = self._memguard_train_function(
-            self.micro_batches, self.micro_batch_mode
+        return functions.set_train_function(
+            self, self._memguard_train_function(self.micro_batches, self.micro_batch_mode)
         )
-        return self.train_function
 
     def _memguard_train_step_for(self, micro_batches, mode):
         """Returns `train_step` with `micro_batches` and mode pinned.
@@ -266,6 +266,6 @@ class MemGuardMixin:
         cache = self.__dict__.get("_memguard_train_functions") or {}
         if current is None or not any(current is f for f in cache.values()):
             return
-        self.train_function = self._memguard_train_function(
-            self.micro_batches, self.micro_batch_mode
+        functions.set_train_function(
+            self, self._memguard_train_function(self.micro_batches, self.micro_batch_mode)
         )

@@ -68,6 +68,7 @@ from keras_memguard.errors import DistributedOutOfMemoryError
 from keras_memguard.errors import UnsupportedTrainingSetupError
 
 from keras_memguard.training import compat
+from keras_memguard.training import functions
 from keras_memguard.training.accumulation import accumulate_gradients
 from keras_memguard.training.accumulation import build_metrics
 from keras_memguard.training.replay import batch_size_of
@@ -231,8 +232,8 @@ def prepare_multi_worker(model):
     )
     object.__setattr__(model, _PREPARED_ATTR, True)
     # Functions built before this call would still reduce the Keras way.
-    model.train_function = None
-    model.test_function = None
+    functions.set_train_function(model, None)
+    functions.set_test_function(model, None)
     return model
 
 
