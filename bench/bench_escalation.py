@@ -440,7 +440,9 @@ def child_main(config):
         out = child_guard_rung(config)
     else:
         out = child_numerics(config)
-    sys.stdout.write("ESCALATION_RESULT " + json.dumps(out) + "\n")
+    from keras_memguard.testing import emit_result
+
+    emit_result(out)
     sys.stdout.flush()
 
 
@@ -450,14 +452,13 @@ def child_main(config):
 
 
 def run_child(config, cap_mib, timeout):
-    from keras_memguard.testing import memory_cap_env
+    from keras_memguard.testing import run_script_with_memory_cap
 
-    env = memory_cap_env(cap_mib)
-    command = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(config)]
     start = time.perf_counter()
     try:
-        completed = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout, env=env
+        completed = run_script_with_memory_cap(
+            [os.path.abspath(__file__), "--child", json.dumps(config)],
+            cap_mib, timeout=timeout, check=False,
         )
     except subprocess.TimeoutExpired:
         return {
@@ -467,10 +468,7 @@ def run_child(config, cap_mib, timeout):
             "wall_s": time.perf_counter() - start,
         }
     wall = time.perf_counter() - start
-    result = None
-    for line in completed.stdout.splitlines():
-        if line.startswith("ESCALATION_RESULT "):
-            result = json.loads(line[len("ESCALATION_RESULT ") :])
+    result = completed.result
     if result is None:
         tail = (completed.stderr or completed.stdout).strip().splitlines()[-3:]
         result = {

@@ -76,7 +76,6 @@ import warnings  # noqa: E402
 MIB = 2**20
 CAP_MIB = 600
 CLASSES = 10
-RESULT_MARKER = "KERAS_MEMGUARD_RESULT "
 
 # The model the project's memory facts were measured on (DESIGN.md).
 DESIGN_CNN_SHAPE = (64, 64, 3)
@@ -278,21 +277,15 @@ def batch_timer_callback():
 
 def run_child(task, cap_mib, timeout=300):
     """Runs `task` in a new process under a `cap_mib` MiB allocator cap."""
-    from keras_memguard.testing import memory_cap_env
+    from keras_memguard.testing import run_script_with_memory_cap
 
     start = time.perf_counter()
-    completed = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child", json.dumps(task)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=memory_cap_env(cap_mib),
+    completed = run_script_with_memory_cap(
+        [os.path.abspath(__file__), "--child", json.dumps(task)],
+        cap_mib, timeout=timeout, check=False,
     )
     wall = time.perf_counter() - start
-    result = None
-    for line in completed.stdout.splitlines():
-        if line.startswith(RESULT_MARKER):
-            result = json.loads(line[len(RESULT_MARKER):])
+    result = completed.result
     if result is None:
         raise RuntimeError(
             f"child {task} exited with {completed.returncode} and no result:\n"
@@ -317,8 +310,9 @@ def child_main(task):
     }[task["part"]]
     result = handler(task, tf)
     result["import_s"] = import_s
-    sys.stdout.write(RESULT_MARKER + json.dumps(result) + "\n")
-    sys.stdout.flush()
+    from keras_memguard.testing import emit_result
+
+    emit_result(result)
 
 
 def child_peaks(task, tf):
@@ -536,7 +530,7 @@ def part_throughput(kind, batch, ks, samples, rounds, report):
     for name, (model, _, guard, k) in variants.items():
         if guard is not None:
             functions = model.__dict__[_CACHE_ATTR][1]
-            steps = {key for key in functions if key[0] == "train"}
+            steps = {key[:3] for key in functions if key[0] == "train"}
             assert steps == {("train", k, "accumulate")}, (name, sorted(functions))
 
     med = {n: statistics.median(v) for n, v in walls.items()}

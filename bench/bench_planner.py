@@ -60,7 +60,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -71,7 +70,6 @@ CAP_MIB = 600
 TEXT_CAP_MIB = 200
 HISTORY_BATCH = 408
 MIB = 2**20
-MARKER = "PLANNER_RESULT "
 PARTS = ("cnn", "history", "text", "text_steps", "cost")
 
 
@@ -266,18 +264,13 @@ def run_child(spec, cap_mib, keras_home=None):
     if keras_home is None:
         with tempfile.TemporaryDirectory() as home:
             return run_child(spec, cap_mib, home)
-    from keras_memguard.testing import memory_cap_env
+    from keras_memguard.testing import run_script_with_memory_cap
 
-    env = memory_cap_env(cap_mib)
-    env["KERAS_HOME"] = keras_home
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)],
-        env=env, capture_output=True, text=True, timeout=900,
+    run = run_script_with_memory_cap(
+        [__file__, "--child", json.dumps(spec)], cap_mib, timeout=900,
+        env={"KERAS_HOME": keras_home}, check=False,
     )
-    for line in out.stdout.splitlines():
-        if line.startswith(MARKER):
-            return json.loads(line[len(MARKER):])
-    return {"error": out.stderr[-2000:]}
+    return run.result if run.result is not None else {"error": run.stderr[-2000:]}
 
 
 def plan_cost(rounds=7, calls=20000):
@@ -434,8 +427,9 @@ def part_text_steps(args, raw):
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         spec = json.loads(sys.argv[2])
-        result = CHILDREN[spec["part"]](spec)
-        print(MARKER + json.dumps(result), flush=True)
+        from keras_memguard.testing import emit_result
+
+        emit_result(CHILDREN[spec["part"]](spec))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS),

@@ -65,16 +65,17 @@ import random
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)  # the package of this checkout, without TensorFlow
+from keras_memguard.testing import emit_result  # noqa: E402
+
 MIB = 2**20
 UNCAPPED_MIB = 8192
-MARKER = "PREDICTORS_RESULT "
 
 # The text model: token ids in, one Transformer block, a class out.
 TEXT_VOCAB = 8000
@@ -404,8 +405,7 @@ def child_oom(task):
     result["current_before"] = before
     start = time.perf_counter()
     # Sent before the step: an XLA out-of-memory error can abort the process.
-    sys.stdout.write(MARKER + json.dumps(result) + "\n")
-    sys.stdout.flush()
+    emit_result(result)
     try:
         float(step(x, y)["loss"])
         result["failed"] = False
@@ -434,8 +434,7 @@ def child_main(task):
     warnings.simplefilter("ignore")
     handler = child_oom if task["kind"] == "oom" else child_measure
     result = handler(task)
-    sys.stdout.write(MARKER + json.dumps(result) + "\n")
-    sys.stdout.flush()
+    emit_result(result)
 
 
 # --------------------------------------------------------------------------
@@ -443,19 +442,14 @@ def child_main(task):
 
 
 def run_child(task, cap_mib, extra_env=None, timeout=600):
-    from keras_memguard.testing import memory_cap_env
+    from keras_memguard.testing import run_script_with_memory_cap
 
-    env = memory_cap_env(cap_mib)
-    env.update(extra_env or {})
     start = time.perf_counter()
-    out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child", json.dumps(task)],
-        env=env, capture_output=True, text=True, timeout=timeout,
+    out = run_script_with_memory_cap(
+        [os.path.abspath(__file__), "--child", json.dumps(task)],
+        cap_mib, timeout=timeout, env=extra_env, check=False,
     )
-    result = None
-    for line in out.stdout.splitlines():
-        if line.startswith(MARKER):
-            result = json.loads(line[len(MARKER):])
+    result = out.result
     if result is None:
         raise RuntimeError(
             f"child {task} exited {out.returncode} with no result:\n"
@@ -676,14 +670,14 @@ def run_oom(spec, report):
         result["cap_mib"] = int(cap)
         result["dump_files"] = len(dumps)
         if dumps:
-            parsed = subprocess.run(
-                [sys.executable, os.path.abspath(__file__), "--read-dumps",
-                 dumps[0], dumps[-1]],
-                capture_output=True, text=True, timeout=120,
+            from keras_memguard.testing import run_script_with_memory_cap
+
+            parsed = run_script_with_memory_cap(
+                [os.path.abspath(__file__), "--read-dumps", dumps[0], dumps[-1]],
+                UNCAPPED_MIB, timeout=120, check=False,
             )
-            for line in parsed.stdout.splitlines():
-                if line.startswith(MARKER):
-                    result["dumps"] = json.loads(line[len(MARKER):])
+            if parsed.result is not None:
+                result["dumps"] = parsed.result
     report.append(result)
     return result
 
@@ -775,7 +769,7 @@ def main():
         child_main(json.loads(sys.argv[2]))
         return
     if len(sys.argv) > 2 and sys.argv[1] == "--read-dumps":
-        print(MARKER + json.dumps([read_dump(p) for p in sys.argv[2:]]))
+        emit_result([read_dump(p) for p in sys.argv[2:]])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)

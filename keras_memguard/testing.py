@@ -118,11 +118,49 @@ def run_with_memory_cap(code, memory_limit_mib, timeout=600, env=None, check=Tru
     print(run.result["current"])
     ```
     """
+    return run_script_with_memory_cap(
+        ["-c", textwrap.dedent(code)], memory_limit_mib, timeout, env, check
+    )
+
+
+def run_script_with_memory_cap(
+    arguments, memory_limit_mib, timeout=600, env=None, check=True
+):
+    """Runs `python ARGUMENTS...` in a new process under a capped allocator.
+
+    The one runner of the tests' and benchmarks' capped processes: a script
+    (`["bench/bench_planner.py", "--child", spec]`) or `["-c", source]`.
+
+    Args:
+        arguments: The interpreter's arguments, a list of strings.
+        memory_limit_mib: The allocator cap in MiB.
+        timeout: Seconds before the process is killed. Defaults to `600`.
+        env: Extra environment variables for the process. Defaults to `None`.
+        check: If `True`, a non-zero exit raises `RuntimeError` carrying the
+            process output. Defaults to `True`.
+
+    Returns:
+        A `CappedRun`; its `result` is the last value the process passed to
+        `emit_result`.
+
+    Raises:
+        RuntimeError: If `check` is `True` and the process failed.
+        subprocess.TimeoutExpired: If the process outran `timeout`.
+
+    Example:
+
+    ```python
+    run = run_script_with_memory_cap(
+        ["bench/bench_planner.py", "--child", '{"part": "cnn", ...}'], 600,
+        check=False,
+    )
+    ```
+    """
     process_env = memory_cap_env(memory_limit_mib)
     if env:
         process_env.update(env)
     completed = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [sys.executable, *arguments],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -1,0 +1,48 @@
+"""A short run of each benchmark under bench/, so that every one keeps working.
+
+Each runs the way the README and bench/RESULTS.md run it, with the smallest
+settings that still go through its parent and child processes: the figures
+themselves are measured by hand (bench/RESULTS.md), never asserted here.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.slow
+
+SMOKE_RUNS = {
+    "bench_planner.py": (["--parts", "cost"], "plan() per batch:"),
+    "bench_monitor.py": (["--rounds", "1", "--skip-fits"], "MemoryGuard: before the step"),
+    "bench_guard.py": (["--parts", "1", "--rounds", "1", "--ks", "2"], "| k=2, B=256 |"),
+    "bench_escalation.py": (
+        ["--rounds", "1", "--caps", "400", "--variants", "plain", "--steps", "1",
+         "--no-numerics", "--no-preflight"],
+        "| plain |",
+    ),
+    "bench_predictors.py": (
+        ["--rounds", "1", "--sizes", "8,16,32", "--models", "cnn", "--modes", "plain",
+         "--oom", ""],
+        "planner line, fit at 8 and 16",
+    ),
+}
+
+
+def test_every_benchmark_has_a_smoke_run():
+    scripts = {name for name in os.listdir(os.path.join(ROOT, "bench")) if name.endswith(".py")}
+    assert scripts == set(SMOKE_RUNS)
+
+
+@pytest.mark.parametrize("script", sorted(SMOKE_RUNS))
+def test_benchmark_runs(script):
+    arguments, expected = SMOKE_RUNS[script]
+    completed = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", script), *arguments],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert expected in completed.stdout, completed.stdout[-4000:]
