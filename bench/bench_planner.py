@@ -49,7 +49,13 @@ reads for the same step after different earlier steps.
 Part "cost" (in process): the per-batch cost of `decider.plan` (median of
 timed loops).
 
-    python bench/bench_planner.py [--parts cnn,history,text,text_steps,cost]
+Part "apps" (keras.applications models with `weights=None` on 64x64x3,
+numpy arrays through Keras' own pipeline, as a user calls `fit`): plain
+training's peak uncapped, then under a cap of `--apps-cap` times it a first
+and a cached run with `MemoryGuard()`, and the fewest micro-batches a fixed
+count (`plan=False`, region reserved) trains with and no error, by hand.
+
+    python bench/bench_planner.py [--parts cnn,history,text,text_steps,cost,apps]
         [--batches 272,408,1024] [--best 160] [--steps 6]
         [--schedules "3,3;8,3;16,3;32,3"] [--text-micro 128,160,192,256]
         [--text-threshold 0.9] [--text-schedules "2,2,2;3,3,3,2,2,2;1,2,2,2"]
@@ -70,7 +76,7 @@ CAP_MIB = 600
 TEXT_CAP_MIB = 200
 HISTORY_BATCH = 408
 MIB = 2**20
-PARTS = ("cnn", "history", "text", "text_steps", "cost")
+PARTS = ("cnn", "history", "text", "text_steps", "cost", "apps")
 
 
 def ks_callback():
@@ -249,7 +255,53 @@ def child_text_steps(spec):
     return {"schedule": spec["schedule"], "peaks_mib": peaks, "reserved_mib": reserved}
 
 
+def child_apps(spec):
+    """A keras.applications model fed numpy arrays, as a user would."""
+    import numpy as np
+    import keras
+    import tensorflow as tf
+
+    import keras_memguard
+
+    keras.utils.set_random_seed(0)
+    model = getattr(keras.applications, spec["model"])(
+        weights=None, input_shape=(64, 64, 3), classes=10
+    )
+    model.compile("adam", "sparse_categorical_crossentropy")
+    batch = spec["batch"]
+    rng = np.random.default_rng(0)
+    x = rng.random((batch * spec["steps"], 64, 64, 3), dtype=np.float32)
+    y = rng.integers(0, 10, batch * spec["steps"])
+    callbacks, guard = [ks_callback()], None
+    if spec["run"] == "plain":
+        callbacks = []
+    elif spec["run"] == "fixed":
+        reserve(spec["cap_mib"])
+        guard = keras_memguard.MemoryGuard(
+            plan=False, micro_batches=spec["k"], cooldown=10**9
+        )
+    else:
+        guard = keras_memguard.MemoryGuard()
+    if guard is not None:
+        callbacks.append(guard)
+    start = time.perf_counter()
+    try:
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+                  callbacks=callbacks)
+    except Exception as error:  # reported, as a user would see it
+        return {"error": f"{type(error).__name__}: {str(error)[:200]}",
+                "seconds": round(time.perf_counter() - start, 1)}
+    return {
+        "seconds": round(time.perf_counter() - start, 1),
+        "peak_mib": tf.config.experimental.get_memory_info("CPU:0")["peak"] / MIB,
+        "ooms": guard.oom_recoveries if guard else 0,
+        "ks": callbacks[0].ks if guard else [],
+        "k": guard.micro_batches if guard else 1,
+    }
+
+
 CHILDREN = {
+    "apps": child_apps,
     "cnn": child_cnn,
     "history": child_history,
     "text": child_text,
@@ -324,6 +376,49 @@ def part_cnn(args, raw):
                 f"| {r['micro'] / best:.2f} of {best} | {r['seconds']} | {ratio} |",
                 flush=True,
             )
+
+
+def part_apps(args, raw):
+    print(f"\n## apps: keras.applications (weights=None, 64x64x3, numpy input), "
+          f"batch {args.apps_batch}, cap {args.apps_cap:.2f} x the plain peak")
+    print("| model | cap MiB | run | OOMs | k per batch | settled micro-batch "
+          "| / best by hand | seconds | / by hand |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    batch, steps = args.apps_batch, args.apps_steps
+    for name in args.apps.split(","):
+        spec = {"part": "apps", "model": name, "batch": batch, "steps": steps}
+        plain = run_child({**spec, "run": "plain"}, 8192)
+        if "error" in plain:
+            print(f"{name}: plain failed: {plain['error']}")
+            continue
+        cap = int(args.apps_cap * plain["peak_mib"])
+        results = {}
+        with tempfile.TemporaryDirectory() as home:
+            for run in ("first", "cached"):
+                results[run] = run_child({**spec, "run": "guard", "cap_mib": cap}, cap, home)
+        # By hand: the fewest micro-batches a fixed count trains with, no error.
+        best = None
+        for k in range(1, batch + 1):
+            if best is not None or (k > 1 and -(-batch // k) == -(-batch // (k - 1))):
+                continue
+            r = run_child({**spec, "run": "fixed", "k": k, "cap_mib": cap}, cap)
+            if "error" not in r and r["ooms"] == 0:
+                best = (k, r)
+        raw.setdefault("apps", {})[name] = {"plain": plain, "cap_mib": cap, "best": best,
+                                            **results}
+        best_micro = -(-batch // best[0]) if best else None
+        base = best[1]["seconds"] if best else None
+        rows = list(results.items()) + ([("by hand", best[1])] if best else [])
+        for run, r in rows:
+            if "error" in r:
+                print(f"| {name} | {cap} | {run} | - | - | {r['error']} | - | {r['seconds']} | - |")
+                continue
+            micro = -(-batch // r["k"])
+            ratio = f"{micro / best_micro:.2f} of {best_micro}" if best_micro else "-"
+            ks = ",".join(str(k) for k in r["ks"])
+            time_ratio = f"{r['seconds'] / base:.2f}x" if base else "-"
+            print(f"| {name} | {cap} | {run} | {r['ooms']} | {ks} | {micro} | {ratio} "
+                  f"| {r['seconds']} | {time_ratio} |", flush=True)
 
 
 def count_schedules(text):
@@ -452,6 +547,12 @@ def main():
                         help="the guard's threshold in the text part")
     parser.add_argument("--text-schedules", default="2,2,2;3,3,3,2,2,2;1,2,2,2",
                         help="';'-separated count schedules of part text_steps")
+    parser.add_argument("--apps", default="ResNet50,EfficientNetB0,MobileNetV2",
+                        help="part apps: keras.applications models")
+    parser.add_argument("--apps-batch", type=int, default=32)
+    parser.add_argument("--apps-steps", type=int, default=3)
+    parser.add_argument("--apps-cap", type=float, default=0.55,
+                        help="part apps: the cap as a share of plain training's peak")
     parser.add_argument("--json", help="also write every raw result here")
     args = parser.parse_args()
     parts = args.parts.split(",")
@@ -465,7 +566,7 @@ def main():
         print(f"plan() per batch: {cost:.1f} us (median of 7 x 20000 calls)", flush=True)
     for name, part in (
         ("cnn", part_cnn), ("history", part_history), ("text", part_text),
-        ("text_steps", part_text_steps),
+        ("text_steps", part_text_steps), ("apps", part_apps),
     ):
         if name in parts:
             part(args, raw)

@@ -553,19 +553,20 @@ class MemoryGuard(keras.callbacks.Callback):
         # Each replica splits its own part of the (global) batch.
         replica_batch_size = function.last_replica_batch_size or batch_size
         explanation = self._explain(error, replica_batch_size, micro_batches)
-        decided = self.controller.fail(
-            decider.Failure(
-                replica_batch_size or _UNKNOWN_BATCH_SIZE,
-                micro_batches,
-                getattr(function, "last_sample_size", None) or 1.0,
-                self._before,
-                self.controller.limit_bytes,
-                explanation.in_use_bytes,
-                explanation.failed_allocation_bytes,
-                explanation.failed_shape,
-                explanation.largest_free_chunk_bytes,
-            )
+        failure = decider.Failure(
+            replica_batch_size or _UNKNOWN_BATCH_SIZE,
+            micro_batches,
+            getattr(function, "last_sample_size", None) or 1.0,
+            self._before,
+            self.controller.limit_bytes,
+            explanation.in_use_bytes,
+            explanation.failed_allocation_bytes,
+            explanation.failed_shape,
+            explanation.largest_free_chunk_bytes,
         )
+        if self._multi_worker:
+            failure = self._agreed_failure(failure)
+        decided = self.controller.fail(failure)
         if (
             decided.cannot_split == decider.CANNOT_SPLIT_BATCH_SIZE
             and self.escalate
@@ -588,6 +589,29 @@ class MemoryGuard(keras.callbacks.Callback):
         self._save_state()
         self._save_plan()
         return new_k
+
+    def _agreed_failure(self, failure):
+        """The failure every worker sizes the replay from (the same `k`).
+
+        Every worker's handler runs at the same point, so the largest memory
+        in use and failed allocation over the workers are agreed here; what
+        only one worker's allocator saw (the failed shape, its largest free
+        block) is left out.
+        """
+        in_use, allocation = multi_worker.agree_max(
+            self.model.distribute_strategy,
+            [
+                -1.0 if failure.in_use_bytes is None else failure.in_use_bytes,
+                -1.0 if failure.allocation_bytes is None else failure.allocation_bytes,
+            ],
+        )
+        return failure._replace(
+            before_bytes=None,
+            in_use_bytes=None if in_use < 0 else in_use,
+            allocation_bytes=None if allocation < 0 else allocation,
+            allocation_shape=None,
+            largest_free_bytes=None,
+        )
 
     def _on_eval_out_of_memory(self, batch_size, micro_batches, error):
         """Chooses the slice count to go on evaluating with, or raises.
