@@ -344,6 +344,19 @@ def test_numpy_arrays_through_keras_own_pipeline_run_with_no_error_under_a_real_
     assert len(set(result["ks"][1:])) == 1, result  # a steady count
 
 
+def test_an_allocation_no_count_can_shrink_is_reported_at_the_second_error():
+    # It used to be replayed one sample smaller after each error, nine errors
+    # in 100 s: the failed allocation is the same at every micro-batch.
+    result = capped_result("allocation_does_not_shrink", 30)
+    assert result["error"] is not None, result
+    assert "the allocation does not shrink with the micro-batch" in result["error"]
+    assert "[31, 784, 288]" in result["error"]
+    # One replay, then the error: no third attempt.
+    assert result["oom_recoveries"] == 1, result
+    # The batches before it trained; the failed one changed nothing more.
+    assert result["batches_trained"] == len(result["ks"]), result
+
+
 def test_bucketed_text_under_a_real_cap_plans_each_length_with_no_error():
     result = capped_result("text_under_cap", 200)
     # Plain training does not fit the longest bucket under this cap.
