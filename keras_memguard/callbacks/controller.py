@@ -7,8 +7,18 @@ plain numbers (bytes, sample counts) and returns the decider's `Plan`s and
 log lines; the guard feeds it from Keras' hooks and applies what it says.
 """
 
+import json
+import logging
+import os
+
 from keras_memguard import decider
 from keras_memguard.callbacks import messages
+
+logger = logging.getLogger("keras_memguard")
+
+# The guard's state in a `backup_dir` (shared with BackupAndRestore).
+STATE_FILE = "memguard_state.json"
+STATE_FILE_VERSION = 2
 
 
 class GuardController:
@@ -145,6 +155,36 @@ class GuardController:
         )
         self._memo = None
 
-    def to_dict(self):
-        """What is saved to `backup_dir` and the plan cache."""
-        return decider.to_dict(self.state)
+    def save(self, directory, step):
+        """Writes the state and the batch counter to `directory` atomically."""
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, STATE_FILE)
+        payload = {
+            "version": STATE_FILE_VERSION,
+            "decider": decider.to_dict(self.state),
+            "step": step,
+        }
+        with open(path + ".tmp", "w") as f:
+            json.dump(payload, f)
+        os.replace(path + ".tmp", path)
+
+    def load(self, directory):
+        """Restores what `save` wrote; returns its batch counter, or `None`.
+
+        A file written by another version of the package is ignored with
+        one warning.
+        """
+        path = os.path.join(directory, STATE_FILE)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            payload = json.load(f)
+        if not isinstance(payload, dict) or payload.get("version") != STATE_FILE_VERSION:
+            logger.warning(
+                "MemoryGuard ignores %s: it was written by another version "
+                "of keras_memguard; the guard starts afresh.",
+                path,
+            )
+            return None
+        self.state = decider.from_dict(payload["decider"])
+        return payload.get("step", 0)

@@ -1,12 +1,9 @@
 """MemoryGuard: micro-batch before memory runs out, replay a batch that did."""
 
-import json
 import logging
-import math
 import os
 
 import keras
-import numpy as np
 
 from keras_memguard import decider
 from keras_memguard import oom_explanation
@@ -30,6 +27,7 @@ from keras_memguard.training.eval_replay import ReplayTestFunction
 from keras_memguard.training.mixin import MemGuardMixin
 from keras_memguard.training.replay import ReplayTrainFunction
 from keras_memguard.training.setup import describe_setup
+from keras_memguard.training.setup import gradient_bytes
 from keras_memguard.training.splitting import validate_micro_batches
 
 logger = logging.getLogger("keras_memguard")
@@ -38,8 +36,6 @@ MODES = ("accumulate", "shrink")
 # Opt-in rungs past one sample per micro-batch (see `training/remat.py`).
 RUNGS = (remat.RUNG,)
 MICRO_BATCHES_LOG_KEY = "micro_batches"
-STATE_FILE = "memguard_state.json"
-STATE_FILE_VERSION = 2
 # A batch size no real batch reaches: the bound when the size is unknown.
 _UNKNOWN_BATCH_SIZE = 1 << 30
 # The scalars written per batch, in `_write_scalars`' order; the threshold
@@ -333,7 +329,7 @@ class MemoryGuard(keras.callbacks.Callback):
                 self.controller.state = decider.init(self.config, self._start_micro_batches)
         if not self._started and (self._multi_worker or not self.plan):
             # No plan hook runs first: start from what is known now.
-            self.controller.start(min(l for l in self._limits if l), _gradient_bytes(model))
+            self.controller.start(min(l for l in self._limits if l), gradient_bytes(model))
             self._started = True
         if self._multi_worker:
             # Makes Keras' symbolic build and log reduction work across
@@ -539,7 +535,7 @@ class MemoryGuard(keras.callbacks.Callback):
                 )
         self.controller.start(
             limit,
-            _gradient_bytes(self.model),
+            gradient_bytes(self.model),
             oom_explanation.layer_output_bytes(self.model),
             state,
         )
@@ -788,50 +784,18 @@ class MemoryGuard(keras.callbacks.Callback):
 
     # What is kept.
 
-    def _state_path(self):
-        return os.path.join(self.backup_dir, STATE_FILE)
-
     def _save_state(self):
-        if self.backup_dir is None:
-            return
-        os.makedirs(self.backup_dir, exist_ok=True)
-        payload = {
-            "version": STATE_FILE_VERSION,
-            "decider": self.controller.to_dict(),
-            "step": self._step,
-        }
-        tmp = self._state_path() + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(payload, f)
-        os.replace(tmp, self._state_path())
+        if self.backup_dir is not None:
+            self.controller.save(self.backup_dir, self._step)
 
     def _load_state(self):
-        if self.backup_dir is None or not os.path.exists(self._state_path()):
+        if self.backup_dir is None:
             return
-        with open(self._state_path()) as f:
-            payload = json.load(f)
-        if not isinstance(payload, dict) or payload.get("version") != STATE_FILE_VERSION:
-            logger.warning(
-                "MemoryGuard ignores %s: it was written by another version "
-                "of keras_memguard; the guard starts afresh.",
-                self._state_path(),
-            )
-            return
-        self.controller.state = decider.from_dict(payload["decider"])
-        self._step = payload.get("step", self._step)
-        self._has_restored_state = True
+        step = self.controller.load(self.backup_dir)
+        if step is not None:
+            self._step = step
+            self._has_restored_state = True
 
     def _save_plan(self):
         if self.plan and self._plan_key and self._started:
             plan_cache.save(self._plan_key, self._plan_fields, self.controller.state)
-
-
-def _gradient_bytes(model):
-    """Bytes of the trainable weights: the gradients a step always holds."""
-    total = 0
-    for variable in model.trainable_weights:
-        try:
-            total += math.prod(variable.shape) * np.dtype(variable.dtype).itemsize
-        except TypeError:  # a dtype numpy does not know (bfloat16 names)
-            total += math.prod(variable.shape) * 2
-    return float(total)

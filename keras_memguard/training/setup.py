@@ -1,6 +1,9 @@
 """A description of a training set-up, for the plan cache's key."""
 
+import math
+
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import tree
 
@@ -51,3 +54,25 @@ def describe_setup(model, data, devices, limits, mode):
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
     }
+
+
+def gradient_bytes(model):
+    """Bytes of the model's trainable weights: the gradients a step holds.
+
+    Memory a training step needs whatever its micro-batch, so a floor for
+    the step's part that does not shrink.
+
+    Args:
+        model: The Keras model.
+
+    Returns:
+        A float.
+    """
+    total = 0
+    for variable in model.trainable_weights:
+        size = math.prod(variable.shape)
+        try:
+            total += size * np.dtype(variable.dtype).itemsize
+        except TypeError:  # a dtype numpy does not know (bfloat16)
+            total += size * 2
+    return float(total)
