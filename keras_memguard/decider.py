@@ -474,11 +474,16 @@ def _fit(state):
 
     Through the smallest and largest works measured, raised to lie on or
     above every reading; with one reading (or readings that do not rise),
-    everything above `fixed_bytes` grows with the work.
+    everything above `fixed_bytes` grows with the work. With failures only,
+    `fixed_bytes` (at most the smallest demand a failure proved) and no
+    slope: the failures' lines (`predict_demand`) do the bounding. `None`
+    when nothing is known.
     """
     readings = state.readings
     if not readings:
-        return None
+        if not state.failures:
+            return None
+        return min(state.fixed_bytes, min(d for _, d in state.failures)), 0.0
     floor = state.fixed_bytes
     largest_work, largest_demand = readings[-1]
     slope = None
@@ -516,9 +521,9 @@ def predict_demand(state, work):
     600.0
     """
     fitted = _fit(state)
-    if fitted is None and not state.failures:
+    if fitted is None:
         return None
-    fixed, slope = fitted or (min(state.fixed_bytes, state.failures[0][1]), 0.0)
+    fixed, slope = fitted
     demand = fixed + slope * work
     for failed_work, proved in state.failures:
         demand = max(demand, fixed + (proved - fixed) * work / failed_work)
@@ -534,8 +539,7 @@ def _largest_work(config, state, budget):
     """
     if budget <= 0:
         return 0.0
-    fitted = _fit(state)
-    fixed, slope = fitted or (min(state.fixed_bytes, budget), 0.0)
+    fixed, slope = _fit(state) or (state.fixed_bytes, 0.0)
     room = budget - fixed
     if room <= 0:
         return 0.0
@@ -888,8 +892,7 @@ def fail(config, state, failure):
         )
     # What the proved demand leaves, from the model's fixed part.
     budget = config.threshold * limit - before
-    fitted = _fit(recorded)
-    fixed = min(fitted[0] if fitted else recorded.fixed_bytes, proved)
+    fixed = min(_fit(recorded)[0], proved)  # the failure was just recorded
     fraction = 0.5
     if proved > fixed:
         fraction = max(0.0, (budget - fixed) / (proved - fixed))
