@@ -53,7 +53,8 @@ Part "apps" (keras.applications models with `weights=None` on 64x64x3,
 numpy arrays through Keras' own pipeline, as a user calls `fit`): plain
 training's peak uncapped, then under a cap of `--apps-cap` times it a first
 and a cached run with `MemoryGuard()`, and the fewest micro-batches a fixed
-count (`plan=False`, region reserved) trains with and no error, by hand.
+count of 1, 2, 4, ... (`plan=False`, region reserved) trains with and no
+error, by hand.
 
     python bench/bench_planner.py [--parts cnn,history,text,text_steps,cost,apps]
         [--batches 272,408,1024] [--best 160] [--steps 6]
@@ -396,14 +397,16 @@ def part_apps(args, raw):
         with tempfile.TemporaryDirectory() as home:
             for run in ("first", "cached"):
                 results[run] = run_child({**spec, "run": "guard", "cap_mib": cap}, cap, home)
-        # By hand: the fewest micro-batches a fixed count trains with, no error.
-        best = None
-        for k in range(1, batch + 1):
-            if best is not None or (k > 1 and -(-batch // k) == -(-batch // (k - 1))):
-                continue
+        # By hand: the fewest micro-batches, of 1, 2, 4, ..., a fixed count
+        # trains with and no error; none when one sample does not fit.
+        best, k = None, 1
+        while best is None and k <= batch:
             r = run_child({**spec, "run": "fixed", "k": k, "cap_mib": cap}, cap)
             if "error" not in r and r["ooms"] == 0:
                 best = (k, r)
+            elif "single sample" in r.get("error", ""):
+                break
+            k *= 2
         raw.setdefault("apps", {})[name] = {"plain": plain, "cap_mib": cap, "best": best,
                                             **results}
         best_micro = -(-batch // best[0]) if best else None
