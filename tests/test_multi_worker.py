@@ -123,7 +123,10 @@ def test_workers_agree_on_micro_batches_and_train_as_one_batch():
         "side": 32,
         "n": 64,
         "batch": 16,
-        "guard": [{"memory_limit": 1 << 20}, {"memory_limit": 1 << 40}],
+        "guard": [
+            {"memory_limit": 1 << 20, "plan": False},
+            {"memory_limit": 1 << 40, "plan": False},
+        ],
     }
     results, _ = run_workers(scenario, caps_mib=[2048, 2048])
     for result in results:
@@ -137,10 +140,28 @@ def test_workers_agree_on_micro_batches_and_train_as_one_batch():
     assert_same_weights(results, reference_weights(scenario))
 
 
+def test_workers_plan_alike_from_agreed_readings_without_running_out_of_memory():
+    # Worker 1's cap is too small for a batch at one micro-batch (see
+    # CAP_OOM_MIB), worker 0 has room: planned from what both agreed on,
+    # every batch fits on both at the same count.
+    scenario = dict(OOM_SCENARIO, n=1024)
+    scenario["guard"] = [{"plan_cache": False}] * 2
+    results, _ = run_workers(scenario, caps_mib=[2048, CAP_OOM_MIB])
+    for result in results:
+        assert "error" not in result, result.get("message")
+    first, second = results
+    assert first["oom_recoveries"] == second["oom_recoveries"] == 0
+    assert first["k"] == second["k"]
+    # One micro-batch does not fit on worker 1: planned above it throughout.
+    assert min(first["k"]) >= 2, first["k"]
+    assert first["weights"] == second["weights"]
+    assert_same_weights(results, reference_weights(scenario))
+
+
 def test_out_of_memory_on_one_worker_is_replayed_on_all():
     # Worker 1's cap is too small for a batch at one micro-batch, not at
     # two; worker 0 has room. Both must replay the batch at k = 2.
-    scenario = dict(OOM_SCENARIO, guard=[{"threshold": 1.0}] * 2)
+    scenario = dict(OOM_SCENARIO, guard=[{"threshold": 1.0, "plan": False}] * 2)
     results, _ = run_workers(scenario, caps_mib=[2048, CAP_OOM_MIB])
     for result in results:
         assert "error" not in result, result.get("message")

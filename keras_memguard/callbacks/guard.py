@@ -29,6 +29,7 @@ from keras_memguard.training.replay import ReplayTrainFunction
 from keras_memguard.training.setup import describe_setup
 from keras_memguard.training.setup import gradient_bytes
 from keras_memguard.training.splitting import validate_micro_batches
+from keras_memguard.training.step import trains_with_own_step
 
 logger = logging.getLogger("keras_memguard")
 
@@ -62,8 +63,11 @@ class MemoryGuard(keras.callbacks.Callback):
     starts at the right `k` (`plan_cache=False` turns that off). See
     `keras_memguard.decider` for the memory model.
 
-    With `plan=False`, or under `MultiWorkerMirroredStrategy` (where the
-    workers agree on each batch's peak), the guard reacts instead: at or
+    Under `MultiWorkerMirroredStrategy` the workers agree on each batch's
+    peak and memory in use (as fractions of each worker's limit, scaled to
+    the smallest limit), so all plan alike. With `plan=False`, or for a
+    model with its own `train_step` under several workers, the guard reacts
+    instead: at or
     above `threshold` it doubles `k` before the next batch; once the usage
     predicted at `k / 2` has stayed below `release` for `cooldown` batches,
     it halves `k` again. The input pipeline, the number of steps and the
@@ -272,6 +276,9 @@ class MemoryGuard(keras.callbacks.Callback):
         self._plan_fields = None
         # Memory in use right before the batch that runs now.
         self._before = None
+        # Under several workers: the agreed memory in use after the last
+        # batch, planned from before the next.
+        self._agreed_in_use = None
         self._step = 0
         self._last_batch = -1
         self._dumps = None
@@ -321,13 +328,29 @@ class MemoryGuard(keras.callbacks.Callback):
         self._load_state()
         self._multi_worker = multi_worker.is_multi_worker(model.distribute_strategy)
         carrier = logs_carrier.current(model)
-        if self._multi_worker and self.config.predictive:
-            # Several workers react to agreed numbers after each batch.
-            self.config = self.config._replace(predictive=False)
-            self.controller.config = self.config
-            if not self._started and not self._has_restored_state:
-                self.controller.state = decider.init(self.config, self._start_micro_batches)
-        if not self._started and (self._multi_worker or not self.plan):
+        if self._multi_worker and not self._started:
+            if self.config.predictive and trains_with_own_step(model):
+                # A step that cannot be split runs its collectives inside the
+                # micro-batch loop: every worker must keep the same count, so
+                # the workers react to agreed numbers after each batch.
+                self.config = self.config._replace(predictive=False)
+                self.controller.config = self.config
+                if not self._has_restored_state:
+                    self.controller.state = decider.init(
+                        self.config, self._start_micro_batches
+                    )
+            # The most constrained worker's limit; each worker's readings
+            # are scaled to it as fractions of its own limit.
+            (negative_limit,) = multi_worker.agree_max(
+                model.distribute_strategy, [-min(l for l in self._limits if l)]
+            )
+            self.controller.start(
+                -negative_limit,
+                gradient_bytes(model),
+                oom_explanation.layer_output_bytes(model),
+            )
+            self._started = True
+        elif not self._started and not self.plan:
             # No plan hook runs first: start from what is known now.
             self.controller.start(min(l for l in self._limits if l), gradient_bytes(model))
             self._started = True
@@ -341,6 +364,7 @@ class MemoryGuard(keras.callbacks.Callback):
                 micro_batches=self.micro_batches,
                 mode=self.mode,
                 on_out_of_memory=self._on_out_of_memory,
+                plan=self._plan_batch if self.config.predictive else None,
             )
         else:
             self._function = ReplayTrainFunction(
@@ -428,8 +452,16 @@ class MemoryGuard(keras.callbacks.Callback):
         controller = self.controller
         if not self._started:
             self._start(data)
-        # Reading resets the peak: the batch's own peak is read after it.
-        self._before = before = self._in_use(self._reader.read(self, None))
+        if self._multi_worker:
+            if self._agreed_in_use is None:
+                # The first batch: every worker reads and agrees now (the
+                # read also resets the peak, as below).
+                _, self._agreed_in_use = self._agreed_usage(self._reader.read(self, None))
+            # What every worker agreed on after the last batch.
+            before = self._before = self._agreed_in_use
+        else:
+            # Reading resets the peak: the batch's own peak is read after it.
+            self._before = before = self._in_use(self._reader.read(self, None))
         k = controller.plan(batch_size, sample_size, before)
         if (
             k >= batch_size
@@ -469,12 +501,8 @@ class MemoryGuard(keras.callbacks.Callback):
             before = self._before
             if self._multi_worker:
                 # The same numbers at the same step on every worker.
-                usage, _ = multi_worker.agree_on_usage(
-                    self.model.distribute_strategy,
-                    None if peak is None else peak / limit,
-                )
-                peak = None if usage is None else usage * limit
-                before = None
+                peak, self._agreed_in_use = self._agreed_usage(samples)
+                limit = self.controller.limit_bytes
             decided = self.controller.observe(
                 decider.Reading(
                     function.last_replica_batch_size or _UNKNOWN_BATCH_SIZE,
@@ -506,6 +534,31 @@ class MemoryGuard(keras.callbacks.Callback):
                 usage = peak / device_limit
                 found = (float(peak), float(device_limit))
         return found
+
+    def _agreed_usage(self, samples):
+        """`(peak, in_use)` every worker agreed on, in bytes of the agreed limit.
+
+        Each worker's peak and memory in use as fractions of its own limit
+        (the device nearest its limit); the largest fractions over the
+        workers, times the smallest limit: the most constrained worker's
+        bytes, the same numbers on every worker.
+        """
+        peak = in_use = -1.0
+        for sample, device_limit in zip(samples, self._limits):
+            if not device_limit:
+                continue
+            if sample.peak_bytes is not None:
+                peak = max(peak, sample.peak_bytes / device_limit)
+            if sample.current_bytes is not None:
+                in_use = max(in_use, sample.current_bytes / device_limit)
+        peak, in_use = multi_worker.agree_max(
+            self.model.distribute_strategy, [peak, in_use]
+        )
+        limit = self.controller.limit_bytes
+        return (
+            None if peak < 0 else peak * limit,
+            None if in_use < 0 else in_use * limit,
+        )
 
     def _in_use(self, samples):
         """Memory in use on the device planned against, or `None`."""
@@ -594,16 +647,17 @@ class MemoryGuard(keras.callbacks.Callback):
         only one worker's allocator saw (the failed shape, its largest free
         block) is left out.
         """
+        limit = self.controller.limit_bytes
+        own_limit = min(l for l in self._limits if l)
         in_use, allocation = multi_worker.agree_max(
             self.model.distribute_strategy,
             [
-                -1.0 if failure.in_use_bytes is None else failure.in_use_bytes,
+                -1.0 if failure.in_use_bytes is None else failure.in_use_bytes / own_limit,
                 -1.0 if failure.allocation_bytes is None else failure.allocation_bytes,
             ],
         )
         return failure._replace(
-            before_bytes=None,
-            in_use_bytes=None if in_use < 0 else in_use,
+            in_use_bytes=None if in_use < 0 else in_use * limit,
             allocation_bytes=None if allocation < 0 else allocation,
             allocation_shape=None,
             largest_free_bytes=None,

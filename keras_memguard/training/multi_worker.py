@@ -73,6 +73,7 @@ from keras_memguard.training.accumulation import accumulate_gradients
 from keras_memguard.training.accumulation import build_metrics
 from keras_memguard.training.replay import batch_size_of
 from keras_memguard.training.replay import run_execution
+from keras_memguard.training.replay import sample_size_of
 from keras_memguard.training.splitting import validate_micro_batches
 from keras_memguard.training.splitting import validate_mode
 from keras_memguard.training.step import build_optimizer
@@ -401,12 +402,24 @@ class MultiWorkerTrainFunction:
             `micro_batches` everywhere; returns the `k` to replay with, or
             raises. `None` raises `DistributedOutOfMemoryError`.
             Defaults to `None`.
+        plan: Called as `plan(batch_size, sample_size, data)` before each
+            batch's first try with this worker's batch size; returns the
+            number of micro-batches to run it with. It must decide from
+            numbers every worker agreed on, so that all plan alike. `None`
+            keeps the count in force. Defaults to `None`.
 
     Raises:
         UnsupportedTrainingSetupError: If `mode` is `"shrink"`.
     """
 
-    def __init__(self, model, micro_batches=1, mode="accumulate", on_out_of_memory=None):
+    def __init__(
+        self,
+        model,
+        micro_batches=1,
+        mode="accumulate",
+        on_out_of_memory=None,
+        plan=None,
+    ):
         self.model = model
         self.strategy = model.distribute_strategy
         self.micro_batches = validate_micro_batches(micro_batches)
@@ -419,9 +432,11 @@ class MultiWorkerTrainFunction:
                 f"Received: mode={mode!r}. HINT: use mode='accumulate'."
             )
         self.on_out_of_memory = on_out_of_memory
+        self.plan = plan
         self.splittable = _splittable(model)
         self.last_batch_size = None
         self.largest_batch_size = None
+        self.last_sample_size = None
 
 
     # The guard splits each replica's part of the batch; this worker's data
@@ -451,6 +466,9 @@ class MultiWorkerTrainFunction:
         if not self.splittable:
             return self._run_whole(data)
         local_batch = batch_size_of(data) or 0
+        if self.plan is not None and local_batch:
+            self.last_sample_size = sample_size_of(data, self.strategy)
+            self.micro_batches = self.plan(local_batch, self.last_sample_size, data)
         result = None
         while True:
             micro_batches = self.micro_batches
@@ -460,10 +478,13 @@ class MultiWorkerTrainFunction:
                     result = self._local_step(micro_batches)(data)
                 except tf.errors.ResourceExhaustedError as oom:
                     error = oom
-            failed, batch_size = agree_max(
-                self.strategy, [result is None, local_batch]
+            # A worker with a smaller last batch may have planned fewer
+            # micro-batches: the handler gets the largest count everywhere.
+            failed, batch_size, micro_batches = agree_max(
+                self.strategy, [result is None, local_batch, micro_batches]
             )
             batch_size = int(batch_size)
+            micro_batches = int(micro_batches)
             self.last_batch_size = batch_size
             if batch_size > (self.largest_batch_size or 0):
                 self.largest_batch_size = batch_size

@@ -104,7 +104,9 @@ def main():
         result["worker"] = getattr(error, "worker", None)
     result.update(
         k=record.k, times=record.times, micro_batches=guard.micro_batches,
-        oom_recoveries=guard.oom_recoveries, seconds=time.monotonic() - start)
+        oom_recoveries=guard.oom_recoveries, seconds=time.monotonic() - start,
+        readings=[list(r) for r in guard.state.readings],
+        limit=guard.controller.limit_bytes)
     emit_result(result)
 
 
