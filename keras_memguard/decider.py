@@ -26,8 +26,9 @@ weight); with a single reading, every byte above it is taken to grow with
 the work.
 
 **Failures.** An out-of-memory error at a work is one record: the demand it
-proved (at least the memory that was free before the step, or what the
-error says was in use plus the allocation that failed). Plans stay under
+proved (at least the memory that was free before the step, what the error
+says was in use plus the allocation that failed, and the micro-batch's
+layer outputs). Plans stay under
 the line through that record. The replay's micro-batch is strictly smaller
 than the one that failed, sized from the error: the demand it proved, and,
 when the failed allocation grows with the micro-batch (its shape holds the
@@ -857,6 +858,9 @@ def fail(config, state, failure):
     proved = limit - before
     if failure.in_use_bytes is not None and failure.allocation_bytes:
         proved = max(proved, failure.in_use_bytes + failure.allocation_bytes - before)
+    # The failed allocation is one of many: the micro-batch's layer outputs
+    # (static shapes) bound the demand from below too.
+    proved = max(proved, micro * state.sample_bytes)
     work = micro * failure.sample_size
     failures = _record(state.failures, work, max(proved, 1.0), MAX_FAILURES)
     shape = tuple(failure.allocation_shape) if failure.allocation_shape else None

@@ -8,6 +8,7 @@ import keras
 from keras_memguard import decider
 from keras_memguard import oom_explanation
 from keras_memguard import plan_cache
+from keras_memguard.callbacks import inference
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks import messages
 from keras_memguard.callbacks.controller import GuardController
@@ -25,6 +26,7 @@ from keras_memguard.training import multi_worker
 from keras_memguard.training import remat
 from keras_memguard.training.eval_replay import ReplayTestFunction
 from keras_memguard.training.mixin import MemGuardMixin
+from keras_memguard.training.predict_replay import ReplayPredictFunction
 from keras_memguard.training.replay import ReplayTrainFunction
 from keras_memguard.training.setup import describe_setup
 from keras_memguard.training.setup import gradient_bytes
@@ -268,6 +270,10 @@ class MemoryGuard(keras.callbacks.Callback):
         # Whether the carrier ran this batch's bookkeeping already.
         self._contributed = False
         self._eval_function = None
+        # `evaluate` / `predict` outside `fit`: the run now, and one
+        # controller per kind, kept between calls.
+        self._inference = None
+        self._inference_controllers = {}
         self._base_learning_rate = None
         self._multi_worker = False
         self._started = False
@@ -306,8 +312,19 @@ class MemoryGuard(keras.callbacks.Callback):
 
     @property
     def eval_oom_recoveries(self):
-        """How many times validation ran out of memory and went on in slices."""
-        return self.controller.state.eval_oom_count
+        """How many times evaluation ran out of memory and went on in slices.
+
+        `fit`'s validation and `model.evaluate(callbacks=[guard])` together.
+        """
+        controller = self._inference_controllers.get(inference.EVALUATE)
+        inferred = controller.state.oom_count if controller is not None else 0
+        return self.controller.state.eval_oom_count + inferred
+
+    @property
+    def predict_oom_recoveries(self):
+        """How many times `predict` ran out of memory and went on in slices."""
+        controller = self._inference_controllers.get(inference.PREDICT)
+        return controller.state.oom_count if controller is not None else 0
 
     @property
     def rungs_on(self):
@@ -426,10 +443,13 @@ class MemoryGuard(keras.callbacks.Callback):
         self._after_batch(batch, logs, (id(logs), batch))
 
     def on_test_begin(self, logs=None):
-        # Only `fit`'s validation (the train function is installed then);
-        # `model.evaluate(callbacks=[guard])` runs as Keras runs it. Several
-        # replicas: Keras' own test function (slices are cut in Python).
-        if self._function is None or not ReplayTestFunction.supports(self.model):
+        if self._function is None:
+            # `model.evaluate(callbacks=[guard])`: planned and sliced.
+            self._begin_inference(inference.EVALUATE, ReplayTestFunction)
+            return
+        # `fit`'s validation. Several replicas: Keras' own test function
+        # (slices are cut in Python).
+        if not ReplayTestFunction.supports(self.model):
             return
         self._eval_function = ReplayTestFunction(
             self.model,
@@ -438,12 +458,61 @@ class MemoryGuard(keras.callbacks.Callback):
         )
         self._eval_function.install()
 
+    def on_test_batch_end(self, batch, logs=None):
+        if self._inference is not None:
+            self._inference.after_batch()
+
     def on_test_end(self, logs=None):
         if self._function is None:
+            self._end_inference()
             return
         self._restore_test_function()
         # Validation's peak must not count as the next training batch's.
         self._reader.reset()
+
+    def on_predict_begin(self, logs=None):
+        self._begin_inference(inference.PREDICT, ReplayPredictFunction)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        if self._inference is not None:
+            self._inference.after_batch()
+
+    def on_predict_end(self, logs=None):
+        self._end_inference()
+
+    def _begin_inference(self, kind, function_class):
+        """Plans and slices the batches of an `evaluate` or `predict` call."""
+        model = self.model
+        if not function_class.supports(model):
+            messages.log_inference_unsupported(
+                kind, model.distribute_strategy.num_replicas_in_sync
+            )
+            return
+        self._limits = self._resolve_limits()
+        controller = self._inference_controllers.get(kind)
+        if controller is None:
+            controller = self._inference_controllers[kind] = GuardController(self.config)
+        if self._dumps is None:
+            self._dumps = oom_explanation.MemoryDumpCapture()
+        self._inference = inference.InferenceRun(
+            kind,
+            model,
+            controller,
+            self._reader,
+            self,
+            self._limits,
+            self._explain,
+            self._report,
+        )
+        self._inference.start()
+
+    def _end_inference(self):
+        if self._inference is not None:
+            self._inference.end()
+            self._inference = None
+        if self._dumps is not None and self._function is None:
+            self._dumps.close()
+            self._dumps = None
 
     # Each batch: plan before it, observe after it.
 

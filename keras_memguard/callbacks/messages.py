@@ -63,6 +63,30 @@ def log_eval_slices(batch_size, micro_batches, done, new_k, training_k):
     )
 
 
+def log_inference_slices(kind, batch_size, micro_batches, done, new_k):
+    """INFO: an `evaluate` or `predict` batch goes on in smaller slices."""
+    going_on = f"going on from sample {done}" if done is not None else "going on"
+    logger.info(
+        "out of memory in %s on a batch of %d at %s: %s with %s (micro-batch %d)",
+        kind,
+        batch_size,
+        micro_batches_text(micro_batches),
+        going_on,
+        micro_batches_text(new_k),
+        -(-batch_size // new_k),
+    )
+
+
+def log_inference_unsupported(kind, replicas):
+    """INFO: `evaluate` or `predict` over several replicas runs as Keras runs it."""
+    logger.info(
+        "%s over %d replicas runs with Keras' own function: the guard cuts "
+        "slices on one replica only",
+        kind,
+        replicas,
+    )
+
+
 def log_rung(rung, why, segments, segment_layers):
     """INFO: a rung of `escalate` is switched on."""
     logger.info(

@@ -16,6 +16,7 @@ import importlib
 import types
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import tree
 
@@ -30,6 +31,8 @@ SUPPORTED = "TensorFlow 2.18-2.21 with Keras 3.8-3.15"
 PRIVATE_NAMES = (
     ("keras.src.backend.tensorflow.trainer", "reduce_per_replica"),
     ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer"),
+    ("keras.src.backend.tensorflow.trainer", "potentially_ragged_concat"),
+    ("keras.src.backend.tensorflow.trainer", "convert_to_np_if_not_ragged"),
     ("keras.src.losses.loss", "unscale_loss_for_distribution"),
     ("tensorflow.python.eager.context", "context"),
     ("tensorflow.python.eager.context.Context", "_context_handle"),
@@ -88,6 +91,49 @@ def reduce_per_replica(values, strategy, reduction="auto"):
     if function is None:
         raise _missing("`reduce_per_replica`")
     return function(values, strategy, reduction=reduction)
+
+
+_HOST_OUTPUTS_MARK = "_keras_memguard_host_outputs"
+
+
+def concatenate_predictions_on_host():
+    """Makes Keras' `predict` take numpy batch outputs as they are.
+
+    Keras' `predict` ends with `potentially_ragged_concat`, a TensorFlow op
+    that would copy outputs a predict function left on the host back onto
+    the device, all at once, then `convert_to_np_if_not_ragged`, which
+    expects tensors. Installed once per process: outputs that are all numpy
+    arrays of one inner shape are joined with numpy (the values Keras
+    gives) and a numpy array passes through; anything else goes to Keras'
+    own functions.
+    """
+    module = _trainer_module()
+    concat = getattr(module, "potentially_ragged_concat", None)
+    to_numpy = getattr(module, "convert_to_np_if_not_ragged", None)
+    if concat is None or to_numpy is None:
+        raise _missing("`potentially_ragged_concat` and `convert_to_np_if_not_ragged`")
+    if getattr(concat, _HOST_OUTPUTS_MARK, False):
+        return
+
+    @functools.wraps(concat)
+    def host_concat(tensors):
+        if all(isinstance(t, np.ndarray) for t in tensors) and (
+            len({t.shape[1:] for t in tensors}) == 1
+        ):
+            if len(tensors) == 1:
+                return tensors[0]
+            if tensors[0].ndim == 0:
+                return np.stack(tensors)
+            return np.concatenate(tensors, axis=0)
+        return concat(tensors)
+
+    @functools.wraps(to_numpy)
+    def host_to_numpy(x):
+        return x if isinstance(x, np.ndarray) else to_numpy(x)
+
+    setattr(host_concat, _HOST_OUTPUTS_MARK, True)
+    module.potentially_ragged_concat = host_concat
+    module.convert_to_np_if_not_ragged = host_to_numpy
 
 
 def tensorflow_trainer_class():

@@ -42,6 +42,7 @@ from keras_memguard.training import compat
 from keras_memguard.training import functions
 from keras_memguard.training.replay import batch_size_of
 from keras_memguard.training.replay import run_execution
+from keras_memguard.training.replay import sample_size_of
 from keras_memguard.training.splitting import validate_micro_batches
 from keras_memguard.training.step import cached_function
 
@@ -82,6 +83,10 @@ class ReplayTestFunction:
             slice of one sample gives `micro_batches == batch_size`). It
             returns a larger number of micro-batches to go on with, or
             raises. `None` re-raises the error. Defaults to `None`.
+        plan: Called as `plan(batch_size, sample_size)` before each batch
+            (`sample_size`: elements of one sample's inputs); returns the
+            number of slices to evaluate it in. `None` keeps the count in
+            force. Defaults to `None`.
 
     Raises:
         ValueError: If `micro_batches` is not an integer >= 1.
@@ -98,11 +103,13 @@ class ReplayTestFunction:
     ```
     """
 
-    def __init__(self, model, micro_batches=1, on_out_of_memory=None):
+    def __init__(self, model, micro_batches=1, on_out_of_memory=None, plan=None):
         self.model = model
         self.micro_batches = validate_micro_batches(micro_batches)
         self.on_out_of_memory = on_out_of_memory
+        self.plan = plan
         self.last_batch_size = None
+        self.last_sample_size = None
         self.samples_done = 0
         self._previous = None
         self._installed = False
@@ -182,7 +189,7 @@ class ReplayTestFunction:
             The test step's logs after the batch: the metrics over every
             batch evaluated so far.
         """
-        data = _single_replica(data)
+        data = single_replica(data)
         step = test_step_function(self.model)
         batch_size = batch_size_of(data)
         self.last_batch_size = batch_size
@@ -193,17 +200,22 @@ class ReplayTestFunction:
             # Nothing to split (no batch dimension): Keras' behaviour.
             logs, self._saved = step.call(data)
             return logs
+        if self.plan is not None:
+            self.last_sample_size = sample_size_of(data)
+            self.micro_batches = validate_micro_batches(
+                self.plan(batch_size, self.last_sample_size)
+            )
         logs = None
         while self.samples_done < batch_size:
             remaining = batch_size - self.samples_done
-            for start, size in _slices(
+            for start, size in slices_of(
                 self.samples_done, remaining, batch_size, self.micro_batches
             ):
                 try:
                     if size == batch_size:
                         logs, self._saved = step.call(data)
                     else:
-                        logs, after = step.call(_slice_batch(data, start, size))
+                        logs, after = step.call(slice_batch(data, start, size))
                         self._saved = _count_slice_once(
                             self.model, self._saved, after, size / batch_size
                         )
@@ -241,7 +253,7 @@ def _reference(value):
         return lambda: value
 
 
-def _slices(done, remaining, batch_size, micro_batches):
+def slices_of(done, remaining, batch_size, micro_batches):
     """Yields `(start, size)` of the slices covering the samples left.
 
     The samples left are cut into slices of about `batch_size /
@@ -278,11 +290,11 @@ def _slice_rows(item, start, size):
         return item[start : start + size]
 
 
-def _slice_batch(data, start, size):
+def slice_batch(data, start, size):
     return tree.map_structure(lambda item: _slice_rows(item, start, size), data)
 
 
-def _single_replica(data):
+def single_replica(data):
     """Unwraps per-replica values of a one-replica strategy into tensors."""
 
     def unwrap(item):
@@ -343,7 +355,7 @@ def _count_slice_once(model, before, after, fraction):
     return scaled
 
 
-def _optionals_to_none(data):
+def optionals_to_none(data):
     # As Keras' `_autoconvert_optionals`, before the spec is read.
     return tree.map_structure(
         lambda item: None if isinstance(item, tf.experimental.Optional) else item,
@@ -351,7 +363,7 @@ def _optionals_to_none(data):
     )
 
 
-def _relaxed_spec(data):
+def relaxed_spec(data):
     """The batch's type spec with an unknown batch size, as Keras traces."""
 
     def relax(item):
@@ -365,7 +377,7 @@ def _relaxed_spec(data):
     return tree.map_structure(relax, data)
 
 
-def _spec_key(data):
+def spec_key(data):
     return tuple(
         None
         if item is None
@@ -414,11 +426,11 @@ class _TestStep:
 
     def call(self, data):
         """Returns `(logs, [(variable, value after the step), ...])`."""
-        data = _optionals_to_none(data)
+        data = optionals_to_none(data)
         if not self._eager:
-            key = _spec_key(data)
+            key = spec_key(data)
             if key not in self._traced:
-                self._function.get_concrete_function(_relaxed_spec(data))
+                self._function.get_concrete_function(relaxed_spec(data))
                 self._traced.add(key)
         logs, values = self._function(data)
         return logs, list(zip(self.variables, values))

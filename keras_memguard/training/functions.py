@@ -1,14 +1,14 @@
-"""The one place that writes a model's `train_function` and `test_function`.
+"""The one place that writes a model's train, test and predict functions.
 
-Keras reads `model.train_function` and `model.test_function` afresh at every
-step, so whoever assigns them decides what runs: the logs carrier, the
+Keras reads `model.train_function`, `model.test_function` and
+`model.predict_function` afresh at every step, so whoever assigns them decides what runs: the logs carrier, the
 guard's replaying functions, the mixin's micro-batched step, the monitor's
 one-batch profiler trace and the multi-worker preparation all go through
-these two functions, so that every change of a step function can be found
+these functions, so that every change of a step function can be found
 (and traced, when debugging) in one place.
 """
 
-__all__ = ["set_test_function", "set_train_function"]
+__all__ = ["set_predict_function", "set_test_function", "set_train_function"]
 
 
 def set_train_function(model, function):
@@ -38,4 +38,19 @@ def set_test_function(model, function):
         `function`.
     """
     model.test_function = function
+    return function
+
+
+def set_predict_function(model, function):
+    """Makes `function` the model's predict function (`None`: Keras makes one).
+
+    Args:
+        model: The Keras model.
+        function: A callable taking a list of batches (one per step of the
+            execution) and returning their outputs, or `None`.
+
+    Returns:
+        `function`.
+    """
+    model.predict_function = function
     return function

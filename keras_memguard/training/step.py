@@ -433,7 +433,8 @@ def cached_function(model, key, build):
         The function.
     """
     compiled_with = (
-        model.optimizer,
+        # `None` for a model never compiled (it may still predict).
+        getattr(model, "optimizer", None),
         compat.compiled_loss(model),
         compat.compiled_metrics(model),
         model.run_eagerly,

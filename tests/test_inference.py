@@ -1,0 +1,116 @@
+"""`model.evaluate` and `model.predict` with `MemoryGuard` in their callbacks."""
+
+import numpy as np
+import keras
+import pytest
+
+import keras_memguard
+from keras_memguard.training import predict_replay
+
+
+def two_output_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((12,), name="features")
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    score = keras.layers.Dense(1, name="score")(hidden)
+    label = keras.layers.Dense(3, activation="softmax", name="label")(hidden)
+    model = keras.Model(inputs, {"score": score, "label": label})
+    model.compile(
+        "adam",
+        {"score": "mse", "label": "sparse_categorical_crossentropy"},
+        metrics={"label": ["accuracy"]},
+    )
+    return model
+
+
+def data(n=100):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 12)).astype("float32")
+    y = {"score": rng.normal(size=(n, 1)).astype("float32"), "label": rng.integers(0, 3, n)}
+    return x, y
+
+
+def test_guarded_predict_equals_plain_predict_and_returns_numpy():
+    model = two_output_model()
+    x, _ = data()
+    plain = model.predict(x, batch_size=7, verbose=0)
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30)
+    guarded = model.predict(x, batch_size=32, verbose=0, callbacks=[guard])
+    assert set(guarded) == {"score", "label"}
+    for name in plain:
+        assert isinstance(guarded[name], np.ndarray)
+        assert guarded[name].shape == plain[name].shape
+        np.testing.assert_allclose(guarded[name], plain[name], rtol=1e-6, atol=1e-6)
+    # Keras' own function is back afterwards.
+    assert not isinstance(model.predict_function, predict_replay.ReplayPredictFunction)
+    again = model.predict(x, batch_size=7, verbose=0)
+    np.testing.assert_allclose(again["score"], plain["score"], rtol=1e-6, atol=1e-6)
+
+
+def test_predict_in_slices_keeps_order_across_executions():
+    model = two_output_model()
+    model.compile("adam", "mse", steps_per_execution=3)
+    x, _ = data(50)
+    plain = model.predict(x, batch_size=8, verbose=0)
+    function = predict_replay.ReplayPredictFunction(model, micro_batches=3)
+    function.install()
+    try:
+        sliced = model.predict(x, batch_size=8, verbose=0)
+    finally:
+        function.restore()
+    for name in plain:
+        np.testing.assert_allclose(sliced[name], plain[name], rtol=1e-6, atol=1e-6)
+
+
+def test_guarded_evaluate_equals_plain_evaluate():
+    model = two_output_model()
+    x, y = data()
+    plain = model.evaluate(x, y, batch_size=100, verbose=0, return_dict=True)
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30)
+    guarded = model.evaluate(x, y, batch_size=100, verbose=0, return_dict=True, callbacks=[guard])
+    assert guarded.keys() == plain.keys()
+    for name in plain:
+        assert guarded[name] == pytest.approx(plain[name], rel=1e-5), name
+    assert guard.eval_oom_recoveries == 0
+
+
+def test_an_uncompiled_model_predicts_under_the_guard():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
+    x = np.arange(40, dtype="float32").reshape(8, 5)
+    guarded = model.predict(
+        x, batch_size=8, verbose=0, callbacks=[keras_memguard.MemoryGuard(memory_limit=1 << 30)]
+    )
+    np.testing.assert_allclose(guarded, model.predict(x, batch_size=3, verbose=0), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_under_a_real_cap_evaluate_and_predict_finish_where_plain_keras_runs_out_of_memory():
+    from keras_memguard.testing import run_with_memory_cap
+    import programs
+
+    result = run_with_memory_cap(
+        programs.source("inference_under_cap"), memory_limit_mib=225, timeout=400
+    ).result
+    reference = result["reference"]
+    # Plain Keras runs out of memory at batch 512; the guard finishes.
+    assert result["plain_evaluate_out_of_memory"], result
+    for run in ("replayed", "planned"):
+        got = result[run]
+        # Every sample counted once, and the metrics of the unsliced run.
+        assert got["samples"] == reference["samples"] == 1024.0, (run, got)
+        assert got["accuracy"] == reference["accuracy"], (run, got)
+        assert got["loss"] == pytest.approx(reference["loss"], rel=1e-5), (run, got)
+    # Reacting: the whole batch fails once, the rest goes on in slices
+    # sized from the error (one error, not a creep).
+    assert result["replayed_oom"] == 1, result["messages"]
+    # Planning: no out-of-memory error at all.
+    assert result["planned_oom"] == 0 and result["predict_oom"] == 0, result["messages"]
+    assert result["predict_type"] == "ndarray"
+    assert result["predict_shape"] == [1024, 10]
+    assert result["predict_max_difference"] <= 1e-5
+    # The whole run's outputs exceed the cap: plain Keras keeps them on the
+    # device and runs out of memory, the guard moves each to the host.
+    assert result["wide_plain_out_of_memory"], result
+    assert result["wide_output_mib"] == 256.0 > 225
+    assert result["wide_first_batch_equal"]
