@@ -14,6 +14,7 @@ __version__ = "0.1.0.dev0"
 _EXPORTS = {
     "AllocatorProbe": "keras_memguard.probes.tf_allocator",
     "AllocatorSample": "keras_memguard.probes.base",
+    "BatchSizeResult": "keras_memguard.batch_size_finder",
     "DevicesAlreadyInitializedError": "keras_memguard.errors",
     "DistributedOutOfMemoryError": "keras_memguard.errors",
     "MemGuardError": "keras_memguard.errors",
@@ -28,6 +29,7 @@ _EXPORTS = {
     "UnsupportedTrainingSetupError": "keras_memguard.errors",
     "configure_devices": "keras_memguard.devices",
     "configured_memory_limits": "keras_memguard.devices",
+    "find_batch_size": "keras_memguard.batch_size_finder",
     "prepare_multi_worker": "keras_memguard.training.multi_worker",
 }
 

@@ -14,6 +14,7 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 PUBLIC_API = [
     "AllocatorProbe",
     "AllocatorSample",
+    "BatchSizeResult",
     "DevicesAlreadyInitializedError",
     "DistributedOutOfMemoryError",
     "MemGuardError",
@@ -28,6 +29,7 @@ PUBLIC_API = [
     "UnsupportedTrainingSetupError",
     "configure_devices",
     "configured_memory_limits",
+    "find_batch_size",
     "prepare_multi_worker",
 ]
 

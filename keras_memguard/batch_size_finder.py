@@ -1,0 +1,439 @@
+"""The largest batch that trains in one step, found without running out of memory.
+
+Lightning's `BatchSizeFinder`, accelerate's `find_executable_batch_size`
+and transformers' `auto_find_batch_size` search by running out of memory
+on purpose (doubling, then halving or bisecting). `find_batch_size` plans
+every trial instead: it measures a few real training steps (the memory in
+use before each and its peak), fits the decider's memory model to them
+(`keras_memguard.decider`), and runs the next trial at a batch whose
+predicted peak closes half of the remaining gap to the target, so that a
+prediction that is off by less than that gap never crosses the limit. It
+stops when the predicted largest batch is within `tolerance` of the
+largest one measured, and returns the largest batch that ran, never one it
+only predicted.
+
+Each trial is one call of the model's own train step (`train_on_batch`,
+so a custom `train_step` is measured as it trains). Before the first trial
+every weight, optimizer variable (slots and the step counter) and metric
+variable is copied; afterwards all are put back, bit for bit.
+"""
+
+import logging
+import time
+from typing import NamedTuple, Optional, Tuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+from keras_memguard import decider
+from keras_memguard import oom_explanation
+from keras_memguard.callbacks.sampling import resolve_limits
+from keras_memguard.errors import MemoryLimitUnknownError
+from keras_memguard.errors import MicroBatchTooLargeError
+from keras_memguard.probes import region
+from keras_memguard.probes.tf_allocator import AllocatorProbe
+from keras_memguard.probes.tf_allocator import cpu_bfc_limit_bytes
+from keras_memguard.training.replay import sample_size_of
+from keras_memguard.training.setup import gradient_bytes
+from keras_memguard.training.step import build_training_state
+
+__all__ = ["BatchSizeResult", "BatchTrial", "find_batch_size"]
+
+logger = logging.getLogger("keras_memguard")
+
+# The first trial: small enough to fit wherever one sample does, large
+# enough that its demand says something about the samples.
+FIRST_TRIAL = 4
+# Each later trial closes this share of the gap between the usage
+# measured and the target.
+GAP_SHARE = 0.5
+_MIB = 1024 * 1024
+
+
+class BatchTrial(NamedTuple):
+    """One measured training step of `find_batch_size`.
+
+    Attributes:
+        batch_size: Samples in the step.
+        in_use_bytes: Memory in use right before the step.
+        predicted_peak_bytes: The peak predicted before it ran, or `None`
+            for the first trial.
+        peak_bytes: The measured peak, or `None` if the step ran out of
+            memory.
+        seconds: Wall time of the step (the first of a batch shape includes
+            tracing).
+    """
+
+    batch_size: int
+    in_use_bytes: float
+    predicted_peak_bytes: Optional[float]
+    peak_bytes: Optional[float]
+    seconds: float
+
+
+class BatchSizeResult(NamedTuple):
+    """What `find_batch_size` found.
+
+    Attributes:
+        largest_batch_size: The largest batch that trained in one step with
+            its peak under `threshold` of the limit (measured, not
+            predicted).
+        measured_peak_bytes: That step's measured peak.
+        predicted_peak_bytes: The peak the memory model predicts for it.
+        limit_bytes: The device memory limit searched against.
+        in_use_bytes: Memory in use before a step (weights, optimizer
+            slots and anything else held), as measured before the last trial.
+        fixed_bytes: The step's own memory that does not grow with the
+            batch (gradients and temporaries), from the memory model.
+        bytes_per_sample: The step's memory per sample, from the model.
+        batch_size: The batch asked about, or `None`.
+        micro_batches: The micro-batch count `MemoryGuard` would plan for
+            `batch_size` (1 when it fits whole), or `None`.
+        trials: Every `BatchTrial`, in order.
+        out_of_memory_errors: Trials that ran out of memory (each a
+            prediction that was wrong; 0 in the normal case).
+    """
+
+    largest_batch_size: int
+    measured_peak_bytes: float
+    predicted_peak_bytes: float
+    limit_bytes: float
+    in_use_bytes: float
+    fixed_bytes: float
+    bytes_per_sample: float
+    batch_size: Optional[int]
+    micro_batches: Optional[int]
+    trials: Tuple[BatchTrial, ...]
+    out_of_memory_errors: int
+
+
+def find_batch_size(
+    model,
+    x,
+    y=None,
+    sample_weight=None,
+    batch_size=None,
+    threshold=0.95,
+    tolerance=0.05,
+    max_batch_size=None,
+    max_trials=8,
+    memory_limit=None,
+    verbose=1,
+):
+    """Finds the largest batch that trains in one step on this device.
+
+    Runs a few planned training steps on slices of `x` (repeated when a
+    trial needs more samples than `x` holds), each at a batch whose
+    predicted peak stays under `threshold` of the memory limit, and
+    returns the largest batch that ran. The model's weights, optimizer
+    state (slots and step counter) and metrics are restored exactly
+    afterwards. Call it after `compile`, on the device training will use.
+
+    Args:
+        model: A compiled Keras model.
+        x: Input samples: a numpy array or tensor, or a list or dict of
+            them, as `fit` takes (at least one sample).
+        y: Targets, in the same form, or `None`. Defaults to `None`.
+        sample_weight: Sample weights, or `None`. Defaults to `None`.
+        batch_size: A batch you plan to train with, or `None`. When given,
+            the result also says how many micro-batches `MemoryGuard` would
+            split it into (1 when it fits whole). Defaults to `None`.
+        threshold: The share of the limit a trial's peak may reach, in
+            (0, 1]. Defaults to `0.95`.
+        tolerance: Stop when the predicted largest batch is within this
+            share of the largest measured one, in (0, 1). Defaults to `0.05`.
+        max_batch_size: The largest batch to consider, or `None` for no
+            bound. Defaults to `None`.
+        max_trials: At most this many training steps, an integer >= 2.
+            Defaults to `8`.
+        memory_limit: The device memory limit in bytes, or `None` to
+            resolve it as `MemoryGuard` does. Defaults to `None`.
+        verbose: `1` logs each trial at INFO level, `0` is silent.
+            Defaults to `1`.
+
+    Returns:
+        A `BatchSizeResult`.
+
+    Raises:
+        ValueError: If an argument is out of range, or `x` holds no sample.
+        MemoryLimitUnknownError: If no memory limit can be resolved.
+        MicroBatchTooLargeError: If a step of one sample does not fit.
+
+    Example:
+
+    ```python
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    result = keras_memguard.find_batch_size(model, x_train, y_train, batch_size=1024)
+    print(result.largest_batch_size, result.micro_batches)
+    model.fit(x_train, y_train, batch_size=result.largest_batch_size)
+    ```
+    """
+    _validate(threshold, tolerance, max_batch_size, max_trials, batch_size, verbose)
+    arrays = tree.map_structure(_as_array, (x, y, sample_weight))
+    available = _sample_count(arrays)
+    if not available:
+        raise ValueError(
+            "`x` must hold at least one sample. Received: x with no samples"
+        )
+    probe = AllocatorProbe()
+    limits = [l for l in resolve_limits(probe, memory_limit) if l]
+    if not limits:
+        raise MemoryLimitUnknownError(
+            "find_batch_size needs the device memory limit, which could not "
+            f"be read for {probe.devices}. HINT: pass memory_limit=<bytes>."
+        )
+    limit = float(min(limits))
+    target = threshold * limit
+    _reserve_regions(probe)
+    first = _slice(arrays, 1)
+    build_training_state(model, first)
+    saved = _save_state(model)
+    sample_size = sample_size_of(first[0]) or 1.0
+    config = decider.make_config(threshold=threshold)
+    state = decider.init(
+        config,
+        fixed_bytes=gradient_bytes(model),
+        sample_bytes=oom_explanation.layer_output_bytes(model),
+    )
+    upper = max_batch_size or float("inf")
+    trials = []
+    errors = 0
+    best = None  # (batch_size, peak, predicted)
+    try:
+        size = int(min(FIRST_TRIAL, upper))
+        predicted = None
+        while len(trials) < max_trials:
+            in_use, peak, seconds = _trial(model, probe, _slice(arrays, size))
+            trial = BatchTrial(size, in_use, predicted, peak, seconds)
+            trials.append(trial)
+            if verbose:
+                _log_trial(trial, limit)
+            if peak is None:
+                errors += 1
+                if size <= 1:
+                    raise MicroBatchTooLargeError(
+                        "One sample does not fit in one training step: it ran out "
+                        f"of memory with {in_use / _MIB:.1f} MiB of "
+                        f"{limit / _MIB:.1f} MiB in use before it. HINT: use mixed "
+                        "precision, a smaller model or input, or "
+                        "MemoryGuard(escalate=('remat',)).",
+                        limit_bytes=limit,
+                    )
+                _, state = decider.fail(
+                    config,
+                    state,
+                    decider.Failure(size, 1, sample_size, in_use, limit),
+                )
+                upper = size - 1
+            else:
+                _, state = decider.observe(
+                    config,
+                    state,
+                    decider.Reading(size, 1, sample_size, in_use, peak, limit),
+                )
+                if peak <= target and (best is None or size > best[0]):
+                    best = (size, peak, predicted)
+            largest = _largest_fitting(state, sample_size, target - in_use, upper)
+            measured = best[0] if best else 0
+            if largest <= measured * (1.0 + tolerance) or largest < 1:
+                break
+            # Close part of the gap: a wrong prediction then stays under it.
+            usage = (peak if peak is not None else in_use) / limit
+            step_target = in_use + _predicted(state, measured or size, sample_size)
+            step_target = max(step_target, usage * limit)
+            step_target += GAP_SHARE * (target - step_target)
+            size = _largest_fitting(state, sample_size, step_target - in_use, upper)
+            size = max(size, measured + 1)
+            if largest - size <= tolerance * largest:
+                size = largest
+            predicted = in_use + _predicted(state, size, sample_size)
+    finally:
+        _restore_state(model, saved)
+    if best is None:
+        raise MicroBatchTooLargeError(
+            f"No trial ran under {threshold:.0%} of the {limit / _MIB:.1f} MiB "
+            "limit. HINT: raise `threshold`, or free memory held beside the model.",
+            limit_bytes=limit,
+        )
+    fitted = _line(state)
+    last_in_use = trials[-1].in_use_bytes
+    largest, peak, predicted = best
+    micro_batches = None
+    if batch_size is not None:
+        decided, _ = decider.plan(
+            decider.make_config(),
+            state._replace(micro_batches=1),
+            decider.Batch(batch_size, sample_size, last_in_use, limit),
+        )
+        micro_batches = 1 if batch_size <= largest else decided.micro_batches
+    return BatchSizeResult(
+        largest_batch_size=largest,
+        measured_peak_bytes=peak,
+        predicted_peak_bytes=predicted if predicted is not None else peak,
+        limit_bytes=limit,
+        in_use_bytes=last_in_use,
+        fixed_bytes=fitted[0],
+        bytes_per_sample=fitted[1] * sample_size,
+        batch_size=batch_size,
+        micro_batches=micro_batches,
+        trials=tuple(trials),
+        out_of_memory_errors=errors,
+    )
+
+
+def _validate(threshold, tolerance, max_batch_size, max_trials, batch_size, verbose):
+    if not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
+        raise ValueError(f"`threshold` must be in (0, 1]. Received: threshold={threshold!r}")
+    if not isinstance(tolerance, (int, float)) or not 0 < tolerance < 1:
+        raise ValueError(f"`tolerance` must be in (0, 1). Received: tolerance={tolerance!r}")
+    for name, value, low in (
+        ("max_batch_size", max_batch_size, 1),
+        ("batch_size", batch_size, 1),
+    ):
+        if value is not None and (not _is_int(value) or value < low):
+            raise ValueError(
+                f"`{name}` must be an integer >= {low} or None. Received: {name}={value!r}"
+            )
+    if not _is_int(max_trials) or max_trials < 2:
+        raise ValueError(f"`max_trials` must be an integer >= 2. Received: max_trials={max_trials!r}")
+    if verbose not in (0, 1):
+        raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
+
+
+def _is_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _as_array(value):
+    if value is None or isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, tf.Tensor):
+        return value.numpy()
+    return np.asarray(value)
+
+
+def _sample_count(arrays):
+    counts = [len(a) for a in tree.flatten(arrays) if a is not None and a.ndim]
+    return min(counts) if counts else 0
+
+
+def _slice(arrays, size):
+    """`size` samples, the first ones repeated as often as needed."""
+
+    def take(array):
+        if array is None or not array.ndim:
+            return array
+        if size <= len(array):
+            return array[:size]
+        return np.take(array, np.arange(size) % len(array), axis=0)
+
+    x, y, sample_weight = tree.map_structure(take, arrays)
+    return x, y, sample_weight
+
+
+def _trial(model, probe, batch):
+    """`(in_use, peak, seconds)` of one training step; `peak` None on OOM."""
+    x, y, sample_weight = batch
+    probe.reset()
+    in_use = _largest(probe.sample(), "current_bytes")
+    start = time.perf_counter()
+    try:
+        model.train_on_batch(x, y, sample_weight=sample_weight)
+    except tf.errors.ResourceExhaustedError:
+        return in_use, None, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    return in_use, _largest(probe.sample(), "peak_bytes"), seconds
+
+
+def _reserve_regions(probe):
+    """As `MemoryGuard` does: one free region for the rest of a CPU BFC limit.
+
+    Without it the allocator keeps the regions it grew for the small first
+    trials, and a larger trial fails with memory free but in pieces.
+    """
+    limit = cpu_bfc_limit_bytes()
+    if limit is None:
+        return
+    for device in probe.devices:
+        if probe.device_mode(device) == "bfc":
+            region.reserve_region(device, limit)
+
+
+def _largest(samples, field):
+    values = [getattr(s, field) for s in samples if getattr(s, field) is not None]
+    return float(max(values)) if values else 0.0
+
+
+def _predicted(state, size, sample_size):
+    return decider.predict_demand(state, size * sample_size) or 0.0
+
+
+def _line(state):
+    """`(fixed, slope per work)` of the memory model, from two predictions."""
+    one = decider.predict_demand(state, 1.0) or 0.0
+    two = decider.predict_demand(state, 2.0) or 0.0
+    return max(one - (two - one), 0.0), max(two - one, 0.0)
+
+
+def _largest_fitting(state, sample_size, room, upper):
+    """The largest batch whose predicted demand fits `room` bytes (<= upper)."""
+    if room <= 0 or _predicted(state, 1, sample_size) > room:
+        return 0
+    low, high = 1, 2
+    while high <= upper and _predicted(state, high, sample_size) <= room:
+        low, high = high, high * 2
+        if high > 1 << 40:
+            return int(min(upper, high))
+    high = int(min(high, upper + 1))
+    while high - low > 1:
+        middle = (low + high) // 2
+        if _predicted(state, middle, sample_size) <= room:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def _save_state(model):
+    """Copies of every variable a training step changes."""
+    variables = list(model.variables)
+    if model.optimizer is not None:
+        variables += list(model.optimizer.variables)
+    variables += list(model.metrics_variables)
+    seen, unique = set(), []
+    for variable in variables:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            unique.append(variable)
+    return [(variable, np.array(variable.numpy(), copy=True)) for variable in unique]
+
+
+def _restore_state(model, saved):
+    for variable, value in saved:
+        variable.assign(value)
+
+
+def _log_trial(trial, limit):
+    if trial.peak_bytes is None:
+        logger.info(
+            "find_batch_size: batch %d ran out of memory (%.1f MiB in use before it)",
+            trial.batch_size,
+            trial.in_use_bytes / _MIB,
+        )
+        return
+    predicted = (
+        f", predicted {trial.predicted_peak_bytes / _MIB:.1f} MiB"
+        if trial.predicted_peak_bytes is not None
+        else ""
+    )
+    logger.info(
+        "find_batch_size: batch %d peaked at %.1f MiB of %.1f MiB (%.0f%%)%s, %.2f s",
+        trial.batch_size,
+        trial.peak_bytes / _MIB,
+        limit / _MIB,
+        100 * trial.peak_bytes / limit,
+        predicted,
+        trial.seconds,
+    )
