@@ -9,8 +9,12 @@ use before each and its peak), fits the decider's memory model to them
 predicted peak closes half of the remaining gap to the target, so that a
 prediction that is off by less than that gap never crosses the limit. It
 stops when the predicted largest batch is within `tolerance` of the
-largest one measured, and returns the largest batch that ran, never one it
-only predicted.
+largest one measured, when a trial peaked above the target (it still counts:
+it ran) or ran out of memory after one that fit, or after one last step of half the tolerance
+once a larger trial peaked no higher than the one before (the allocator's
+rounding then sets the peak, and the next failure would come from memory
+in pieces, which the model cannot see). It returns the largest batch that
+ran, never one it only predicted.
 
 Each trial is one call of the model's own train step (`train_on_batch`,
 so a custom `train_step` is measured as it trains). Before the first trial
@@ -77,9 +81,10 @@ class BatchSizeResult(NamedTuple):
     """What `find_batch_size` found.
 
     Attributes:
-        largest_batch_size: The largest batch that trained in one step with
-            its peak under `threshold` of the limit (measured, not
-            predicted).
+        largest_batch_size: The largest batch whose training step ran
+            (measured, not predicted). Its peak is under `threshold` of the
+            limit unless the allocator rounded that last step up beyond
+            the prediction.
         measured_peak_bytes: That step's measured peak.
         predicted_peak_bytes: The peak the memory model predicts for it.
         limit_bytes: The device memory limit searched against.
@@ -127,7 +132,7 @@ def find_batch_size(
     Runs a few planned training steps on slices of `x` (repeated when a
     trial needs more samples than `x` holds), each at a batch whose
     predicted peak stays under `threshold` of the memory limit, and
-    returns the largest batch that ran. The model's weights, optimizer
+    returns the largest batch that ran without running out of memory. The model's weights, optimizer
     state (slots and step counter) and metrics are restored exactly
     afterwards. Call it after `compile`, on the device training will use.
 
@@ -200,6 +205,7 @@ def find_batch_size(
     upper = max_batch_size or float("inf")
     trials = []
     errors = 0
+    stalled = False
     best = None  # (batch_size, peak, predicted)
     try:
         size = int(min(FIRST_TRIAL, upper))
@@ -227,18 +233,38 @@ def find_batch_size(
                     decider.Failure(size, 1, sample_size, in_use, limit),
                 )
                 upper = size - 1
+                if best is not None:
+                    break  # The edge is between the best batch and this one.
             else:
                 _, state = decider.observe(
                     config,
                     state,
                     decider.Reading(size, 1, sample_size, in_use, peak, limit),
                 )
-                if peak <= target and (best is None or size > best[0]):
+                if best is None or size > best[0]:
                     best = (size, peak, predicted)
+                if peak > target:
+                    # It ran, but the allocator rounded it up past the
+                    # prediction: a larger step would be a guess.
+                    break
             largest = _largest_fitting(state, sample_size, target - in_use, upper)
             measured = best[0] if best else 0
             if largest <= measured * (1.0 + tolerance) or largest < 1:
                 break
+            if _peaks_stalled(trials):
+                # A larger batch peaked no higher: the allocator's rounding,
+                # not the samples, sets the peak here, and what fails next
+                # (one large allocation with the memory in pieces) is
+                # beyond the memory model. One last step of half the
+                # tolerance, then no further guesses.
+                if stalled:
+                    break
+                stalled = True
+                size = min(largest, int(measured * (1.0 + tolerance / 2)))
+                if size <= measured:
+                    break
+                predicted = in_use + _predicted(state, size, sample_size)
+                continue
             # Close part of the gap: a wrong prediction then stays under it.
             usage = (peak if peak is not None else in_use) / limit
             step_target = in_use + _predicted(state, measured or size, sample_size)
@@ -253,8 +279,10 @@ def find_batch_size(
         _restore_state(model, saved)
     if best is None:
         raise MicroBatchTooLargeError(
-            f"No trial ran under {threshold:.0%} of the {limit / _MIB:.1f} MiB "
-            "limit. HINT: raise `threshold`, or free memory held beside the model.",
+            f"No trial step ran without running out of memory ({len(trials)} "
+            f"tried, the smallest at batch {min(t.batch_size for t in trials)}; "
+            f"limit {limit / _MIB:.1f} MiB). HINT: free memory held beside the "
+            "model, or use mixed precision or a smaller model.",
             limit_bytes=limit,
         )
     fitted = _line(state)
@@ -364,6 +392,15 @@ def _reserve_regions(probe):
 def _largest(samples, field):
     values = [getattr(s, field) for s in samples if getattr(s, field) is not None]
     return float(max(values)) if values else 0.0
+
+
+def _peaks_stalled(trials):
+    """Whether the last two trials that ran grew in batch but not in peak."""
+    ran = [t for t in trials if t.peak_bytes is not None]
+    if len(ran) < 2:
+        return False
+    before, last = ran[-2], ran[-1]
+    return last.batch_size > before.batch_size and last.peak_bytes <= before.peak_bytes
 
 
 def _predicted(state, size, sample_size):

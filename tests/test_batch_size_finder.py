@@ -1,0 +1,122 @@
+"""`find_batch_size`: planned trials, the state put back, clear errors."""
+
+import numpy as np
+import keras
+import pytest
+
+import keras_memguard
+
+LIMIT = 96 << 20  # A limit the suite's allocator never reaches.
+
+
+def bn_dropout_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((16, 16, 3)),
+            keras.layers.Conv2D(8, 3, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dropout(0.3),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(4),
+        ]
+    )
+    model.compile(
+        "adam",
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def data(n=64):
+    rng = np.random.default_rng(0)
+    return rng.random((n, 16, 16, 3), dtype=np.float32), rng.integers(0, 4, n)
+
+
+def state_of(model):
+    variables = model.variables + model.optimizer.variables + model.metrics_variables
+    return [np.array(v.numpy()) for v in variables]
+
+
+def test_trials_stay_under_the_limit_and_everything_is_put_back():
+    model = bn_dropout_model()
+    x, y = data()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # Slots and counters in use.
+    before = state_of(model)
+    result = keras_memguard.find_batch_size(
+        model, x, y, batch_size=4096, memory_limit=LIMIT, verbose=0
+    )
+    after = state_of(model)
+    assert len(before) == len(after)
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    assert result.out_of_memory_errors == 0
+    assert result.limit_bytes == LIMIT
+    # The answer ran: a trial at that batch, its peak under the threshold.
+    ran = {t.batch_size: t for t in result.trials}
+    assert result.largest_batch_size in ran
+    assert result.measured_peak_bytes == ran[result.largest_batch_size].peak_bytes
+    # Under the threshold, unless the last step was rounded up past it.
+    last = result.trials[-1]
+    assert result.measured_peak_bytes <= 0.95 * LIMIT or last.batch_size == result.largest_batch_size
+    assert result.largest_batch_size > len(x)  # Samples repeated for larger trials.
+    # Fewer steps than doubling from 4 to the answer would take.
+    doublings = int(np.ceil(np.log2(result.largest_batch_size / 4))) + 1
+    assert len(result.trials) <= doublings, result.trials
+    # A batch larger than the largest is split by the guard.
+    assert result.micro_batches >= 4096 / result.largest_batch_size
+    assert result.bytes_per_sample > 0
+
+
+def test_training_after_the_search_is_training_without_it():
+    x, y = data()
+    searched, plain = bn_dropout_model(), bn_dropout_model()
+    keras_memguard.find_batch_size(searched, x, y, memory_limit=LIMIT, verbose=0)
+    keras.utils.set_random_seed(1)
+    searched.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    keras.utils.set_random_seed(1)
+    plain.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    for a, b in zip(searched.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_batch_that_fits_whole_needs_one_micro_batch():
+    model = bn_dropout_model()
+    x, y = data()
+    result = keras_memguard.find_batch_size(model, x, y, batch_size=2, memory_limit=LIMIT, verbose=0)
+    assert result.micro_batches == 1 and result.batch_size == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"threshold": 1.5}, "`threshold` must be in (0, 1]. Received: threshold=1.5"),
+        ({"batch_size": 0}, "`batch_size` must be an integer >= 1 or None. Received: batch_size=0"),
+        ({"max_trials": 1}, "`max_trials` must be an integer >= 2. Received: max_trials=1"),
+        ({"tolerance": 0}, "`tolerance` must be in (0, 1). Received: tolerance=0"),
+    ],
+)
+def test_bad_arguments_say_what_is_valid(kwargs, message):
+    model = bn_dropout_model()
+    x, y = data(8)
+    with pytest.raises(ValueError) as error:
+        keras_memguard.find_batch_size(model, x, y, memory_limit=LIMIT, **kwargs)
+    assert message in str(error.value)
+
+
+@pytest.mark.slow
+def test_under_a_real_cap_the_answer_is_within_five_percent_of_what_fits():
+    from keras_memguard.testing import run_with_memory_cap
+    import programs
+
+    result = run_with_memory_cap(
+        programs.source("finder_under_cap"), memory_limit_mib=600, timeout=300
+    ).result
+    assert result["errors"] == 0, result
+    # Five percent more does not fit: the answer is within 5% of the
+    # largest batch that does (plain training fits 160, not 170, here).
+    assert result["above_fits"] is False, result
+    assert 150 <= result["largest"] <= 170, result
+    assert result["iterations"] == 0, result
+    assert result["micro_batches"] >= 1024 / result["largest"], result
