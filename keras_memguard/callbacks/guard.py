@@ -8,6 +8,7 @@ import keras
 from keras_memguard import decider
 from keras_memguard import oom_explanation
 from keras_memguard import plan_cache
+from keras_memguard.callbacks import agreement
 from keras_memguard.callbacks import inference
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks import messages
@@ -358,11 +359,8 @@ class MemoryGuard(keras.callbacks.Callback):
                     )
             # The most constrained worker's limit; each worker's readings
             # are scaled to it as fractions of its own limit.
-            (negative_limit,) = multi_worker.agree_max(
-                model.distribute_strategy, [-min(l for l in self._limits if l)]
-            )
             self.controller.start(
-                -negative_limit,
+                agreement.agreed_limit(model.distribute_strategy, self._limits),
                 gradient_bytes(model),
                 oom_explanation.layer_output_bytes(model),
             )
@@ -525,7 +523,9 @@ class MemoryGuard(keras.callbacks.Callback):
             if self._agreed_in_use is None:
                 # The first batch: every worker reads and agrees now (the
                 # read also resets the peak, as below).
-                _, self._agreed_in_use = self._agreed_usage(self._reader.read(self, None))
+                _, self._agreed_in_use = self._agreed_usage(
+                    self._reader.read(self, None)
+                )
             # What every worker agreed on after the last batch.
             before = self._before = self._agreed_in_use
         else:
@@ -605,28 +605,8 @@ class MemoryGuard(keras.callbacks.Callback):
         return found
 
     def _agreed_usage(self, samples):
-        """`(peak, in_use)` every worker agreed on, in bytes of the agreed limit.
-
-        Each worker's peak and memory in use as fractions of its own limit
-        (the device nearest its limit); the largest fractions over the
-        workers, times the smallest limit: the most constrained worker's
-        bytes, the same numbers on every worker.
-        """
-        peak = in_use = -1.0
-        for sample, device_limit in zip(samples, self._limits):
-            if not device_limit:
-                continue
-            if sample.peak_bytes is not None:
-                peak = max(peak, sample.peak_bytes / device_limit)
-            if sample.current_bytes is not None:
-                in_use = max(in_use, sample.current_bytes / device_limit)
-        peak, in_use = multi_worker.agree_max(
-            self.model.distribute_strategy, [peak, in_use]
-        )
-        limit = self.controller.limit_bytes
-        return (
-            None if peak < 0 else peak * limit,
-            None if in_use < 0 else in_use * limit,
+        return agreement.agreed_usage(
+            self.model.distribute_strategy, samples, self._limits, self.controller.limit_bytes
         )
 
     def _in_use(self, samples):
@@ -683,7 +663,12 @@ class MemoryGuard(keras.callbacks.Callback):
             explanation.largest_free_chunk_bytes,
         )
         if self._multi_worker:
-            failure = self._agreed_failure(failure)
+            failure = agreement.agreed_failure(
+                self.model.distribute_strategy,
+                failure,
+                min(l for l in self._limits if l),
+                self.controller.limit_bytes,
+            )
         decided = self.controller.fail(failure)
         if (
             decided.cannot_split == decider.CANNOT_SPLIT_BATCH_SIZE
@@ -707,30 +692,6 @@ class MemoryGuard(keras.callbacks.Callback):
         self._save_state()
         self._save_plan()
         return new_k
-
-    def _agreed_failure(self, failure):
-        """The failure every worker sizes the replay from (the same `k`).
-
-        Every worker's handler runs at the same point, so the largest memory
-        in use and failed allocation over the workers are agreed here; what
-        only one worker's allocator saw (the failed shape, its largest free
-        block) is left out.
-        """
-        limit = self.controller.limit_bytes
-        own_limit = min(l for l in self._limits if l)
-        in_use, allocation = multi_worker.agree_max(
-            self.model.distribute_strategy,
-            [
-                -1.0 if failure.in_use_bytes is None else failure.in_use_bytes / own_limit,
-                -1.0 if failure.allocation_bytes is None else failure.allocation_bytes,
-            ],
-        )
-        return failure._replace(
-            in_use_bytes=None if in_use < 0 else in_use * limit,
-            allocation_bytes=None if allocation < 0 else allocation,
-            allocation_shape=None,
-            largest_free_bytes=None,
-        )
 
     def _on_eval_out_of_memory(self, batch_size, micro_batches, error):
         """Chooses the slice count to go on evaluating with, or raises.
