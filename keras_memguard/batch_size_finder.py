@@ -16,8 +16,9 @@ rounding then sets the peak, and the next failure would come from memory
 in pieces, which the model cannot see). It returns the largest batch that
 ran, never one it only predicted.
 
-Each trial is one call of the model's own train step (`train_on_batch`,
-so a custom `train_step` is measured as it trains). Before the first trial
+Each trial is one call of the model's own train function on a batch
+packed as `fit` packs it, so a custom `train_step` is measured as it
+trains. Before the first trial
 every weight, optimizer variable (slots and the step counter) and metric
 variable is copied; afterwards all are put back, bit for bit.
 """
@@ -363,12 +364,15 @@ def _slice(arrays, size):
 
 def _trial(model, probe, batch):
     """`(in_use, peak, seconds)` of one training step; `peak` None on OOM."""
-    x, y, sample_weight = batch
+    # As `fit` hands a batch to the train step (`x` alone when there are no
+    # targets: a `train_step` of your own may expect just that).
+    data = keras.utils.pack_x_y_sample_weight(*batch)
+    function = model.make_train_function() or model.train_function
     probe.reset()
     in_use = _largest(probe.sample(), "current_bytes")
     start = time.perf_counter()
     try:
-        model.train_on_batch(x, y, sample_weight=sample_weight)
+        function(iter([data]))
     except tf.errors.ResourceExhaustedError:
         return in_use, None, time.perf_counter() - start
     seconds = time.perf_counter() - start

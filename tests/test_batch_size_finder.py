@@ -120,3 +120,19 @@ def test_under_a_real_cap_the_answer_is_within_five_percent_of_what_fits():
     assert 150 <= result["largest"] <= 170, result
     assert result["iterations"] == 0, result
     assert result["micro_batches"] >= 1024 / result["largest"], result
+
+
+def test_a_train_step_of_its_own_is_searched_as_it_trains():
+    # keras-io's VAE: no `call`, no `y`, its own `train_step` and trackers.
+    from test_own_train_step import PlainVAE, make_decoder, make_encoder
+
+    keras.utils.set_random_seed(0)
+    model = PlainVAE(make_encoder(fixed_noise=False), make_decoder())
+    model.compile(optimizer="adam")
+    x = np.random.default_rng(0).random((32, 28, 28, 1), dtype=np.float32)
+    model.fit(x, batch_size=16, epochs=1, verbose=0)
+    before = state_of(model)
+    result = keras_memguard.find_batch_size(model, x, memory_limit=LIMIT, verbose=0)
+    for a, b in zip(before, state_of(model)):
+        np.testing.assert_array_equal(a, b)
+    assert result.largest_batch_size > 32 and result.out_of_memory_errors == 0
