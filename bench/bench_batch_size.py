@@ -17,7 +17,8 @@ default). Reported: the batch found, its share of the true largest, the
 trial steps, the out-of-memory errors and the seconds the search took.
 
     python bench/bench_batch_size.py [--models cnn,transformer,mobilenet]
-        [--methods memguard,bisection,power]
+        [--methods memguard,bisection,power] [--repeats N]
+        [--threshold 0.95] [--tolerance 0.05]
 """
 
 import argparse
@@ -108,7 +109,9 @@ def child(spec):
 
     start = time.perf_counter()
     if spec["method"] == "memguard":
-        result = find_batch_size(model, x, y, verbose=0)
+        result = find_batch_size(
+            model, x, y, threshold=spec["threshold"], tolerance=spec["tolerance"], verbose=0
+        )
         found = result.largest_batch_size
         steps = [(t.batch_size, t.peak_bytes is not None) for t in result.trials]
         errors = result.out_of_memory_errors
@@ -150,6 +153,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--threshold", type=float, default=0.95,
+                        help="find_batch_size's threshold")
+    parser.add_argument("--tolerance", type=float, default=0.05,
+                        help="find_batch_size's tolerance")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each method per model (the table lists each)")
     parser.add_argument("--json", default=None, help="write the raw results here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -161,13 +170,15 @@ def main():
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.models.split(","):
         cap = MODELS[name][0]
-        results = {
-            method: run_child({"model": name, "method": method, "cap_mib": cap})
+        results = [
+            (method, run_child({"model": name, "method": method, "cap_mib": cap,
+                                "threshold": args.threshold, "tolerance": args.tolerance}))
             for method in args.methods.split(",")
-        }
+            for _ in range(args.repeats)
+        ]
         raw[name] = results
-        truth = results.get("bisection", {}).get("found")
-        for method, r in results.items():
+        truth = max((r.get("found", 0) for m, r in results if m == "bisection"), default=None)
+        for method, r in results:
             if "error" in r:
                 print(f"| {name} | {cap} | {method} | error: {r['error'][-300:]!r} | | | | |")
                 continue

@@ -473,8 +473,10 @@ def init(config, micro_batches=None, fixed_bytes=0, sample_bytes=0):
 def _fit(state):
     """`(fixed, slope)` of `demand = fixed + slope * work`, or `None`.
 
-    Through the smallest and largest works measured, raised to lie on or
-    above every reading; with one reading (or readings that do not rise),
+    The slope from the largest work measured to the largest one at most
+    half of it (a demand that grows faster with larger micro-batches is
+    then not under-predicted above them), raised to lie on or above every
+    reading; with one reading (or readings that do not rise),
     everything above `fixed_bytes` grows with the work. With failures only,
     `fixed_bytes` (at most the smallest demand a failure proved) and no
     slope: the failures' lines (`predict_demand`) do the bounding. `None`
@@ -489,8 +491,15 @@ def _fit(state):
     largest_work, largest_demand = readings[-1]
     slope = None
     if len(readings) >= 2:
-        smallest_work, smallest_demand = readings[0]
-        rise = (largest_demand - smallest_demand) / (largest_work - smallest_work)
+        # The slope near the top, where plans extrapolate: from the largest
+        # work to the largest one at most half of it (far enough apart
+        # that the allocator's rounding does not swing it), else the
+        # smallest.
+        partner_work, partner_demand = readings[0]
+        for work, demand in readings[:-1]:
+            if work <= largest_work / 2:
+                partner_work, partner_demand = work, demand
+        rise = (largest_demand - partner_demand) / (largest_work - partner_work)
         if rise > 0 and largest_demand - rise * largest_work >= 0:
             slope = rise
     if slope is None:
