@@ -27,6 +27,7 @@ _EXPORTS = {
     "NvmlProbe": "keras_memguard.probes.nvml",
     "NvmlSample": "keras_memguard.probes.base",
     "UnsupportedTrainingSetupError": "keras_memguard.errors",
+    "advise": "keras_memguard.advice",
     "configure_devices": "keras_memguard.devices",
     "configured_memory_limits": "keras_memguard.devices",
     "find_batch_size": "keras_memguard.batch_size_finder",

@@ -5,6 +5,9 @@ Commands:
 - `report LOG_DIR [--output FILE.png|FILE.html]`: summarise a run's memory,
   micro-batches and out-of-memory recoveries from its TensorBoard event
   files, and draw them (`pip install "keras-memguard[report]"`).
+- `advise MODEL.keras --batch-size N`: measure what mixed precision, the
+  remat rung and XLA save in peak memory and step time on a saved model,
+  each in a process of its own.
 """
 
 import argparse
@@ -24,6 +27,21 @@ def _report(subparsers):
     parser.set_defaults(run=lambda args: cli.run(args, parser.prog))
 
 
+def _advise(subparsers):
+    from keras_memguard.advice import cli as advice_cli
+
+    parser = subparsers.add_parser(
+        "advise",
+        help="measure what each memory-saving technique saves on a saved model",
+        description="Measure a saved, compiled model's fixed memory, memory per "
+        "sample and largest batch, and what mixed_float16, mixed_bfloat16, the "
+        "remat rung and jit_compile change in peak memory and step time at "
+        "--batch-size, each variant in a process of its own.",
+    )
+    advice_cli.add_arguments(parser)
+    parser.set_defaults(run=lambda args: advice_cli.run(args, parser.prog))
+
+
 def main(argv=None):
     """Runs `keras-memguard COMMAND ...`.
 
@@ -40,6 +58,7 @@ def main(argv=None):
     )
     subparsers = parser.add_subparsers(metavar="COMMAND", required=True)
     _report(subparsers)
+    _advise(subparsers)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -27,6 +27,7 @@ PUBLIC_API = [
     "NvmlProbe",
     "NvmlSample",
     "UnsupportedTrainingSetupError",
+    "advise",
     "configure_devices",
     "configured_memory_limits",
     "find_batch_size",
