@@ -10,6 +10,9 @@ import os
 
 SUITE_MEMORY_LIMIT_MIB = 8192
 
+# The JAX backend's tests run in a process of their own (KERAS_BACKEND=jax).
+collect_ignore = [] if os.environ.get("KERAS_BACKEND") == "jax" else ["jax"]
+
 os.environ.update(
     {
         "TF_CPU_ALLOCATOR_USE_BFC": "true",

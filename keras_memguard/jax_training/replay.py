@@ -1,0 +1,219 @@
+"""A train function for Keras' JAX `fit` that replays a batch out of memory.
+
+Keras' JAX `fit` calls `logs, state = model.train_function(state,
+iterator)` once per step. `ReplayingTrainFunction` is such a function: it
+pulls the batch itself, runs the compiled micro-batched step on it (which
+does not donate the state), and when that raises XLA's out-of-memory error
+it asks a handler for a larger count and runs the same batch on the same,
+untouched state again. Only out-of-memory errors are caught; everything
+else is raised as it came.
+"""
+
+import re
+from typing import NamedTuple
+from typing import Optional
+
+import jax
+
+from keras_memguard.errors import MicroBatchTooLargeError
+from keras_memguard.jax_training.compiled import StepCache
+from keras_memguard.jax_training.step import batch_size_of
+from keras_memguard.jax_training.step import validate_micro_batches
+
+# absl::StatusCode::kResourceExhausted, the status XLA gives out-of-memory
+# errors.
+RESOURCE_EXHAUSTED = 8
+
+_ALLOCATION_RE = re.compile(r"allocat\w*\s+(\d+)\s+bytes", re.IGNORECASE)
+
+
+def _runtime_error_types():
+    types = [jax.errors.JaxRuntimeError]
+    try:  # jaxlib before `jax.errors.JaxRuntimeError` was its own class
+        from jax._src.lib import xla_client
+
+        types.append(xla_client.XlaRuntimeError)
+    except (ImportError, AttributeError):
+        pass
+    return tuple(types)
+
+
+_RUNTIME_ERRORS = _runtime_error_types()
+
+
+def is_out_of_memory(error):
+    """Whether an error is XLA's out-of-memory error.
+
+    By type (`jax.errors.JaxRuntimeError`) and status code
+    (`RESOURCE_EXHAUSTED`), not by the message's words. A jaxlib that keeps
+    no code on the error (before `error_code`) is read by the status name
+    XLA puts first in the message.
+
+    Args:
+        error: An exception.
+
+    Returns:
+        A bool.
+
+    Example:
+
+    >>> is_out_of_memory(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: ...", 8))
+    True
+    """
+    if not isinstance(error, _RUNTIME_ERRORS):
+        return False
+    code = getattr(error, "error_code", None)
+    if isinstance(code, int) and code not in (0, 2):  # 2: UNKNOWN
+        return code == RESOURCE_EXHAUSTED
+    message = str(error.args[0]) if error.args else ""
+    return message.startswith("RESOURCE_EXHAUSTED")
+
+
+def failed_allocation_bytes(error):
+    """The size of the allocation an out-of-memory error names, or `None`.
+
+    Information for the decider's `Failure`; the error is recognized by
+    `is_out_of_memory`, never by this.
+    """
+    match = _ALLOCATION_RE.search(str(error))
+    return int(match.group(1)) if match else None
+
+
+class StepOutOfMemory(NamedTuple):
+    """A step that ran out of memory, as the handler gets it.
+
+    Attributes:
+        batch_size: Samples in the batch.
+        micro_batches: The count that failed.
+        error: The `jax.errors.JaxRuntimeError`.
+        allocation_bytes: The allocation that failed, where the error says.
+    """
+
+    batch_size: int
+    micro_batches: int
+    error: Exception
+    allocation_bytes: Optional[int]
+
+
+def double_micro_batches(failure):
+    """The default handler: twice the count, at most one sample each.
+
+    Args:
+        failure: A `StepOutOfMemory`.
+
+    Returns:
+        The count to replay with.
+
+    Raises:
+        MicroBatchTooLargeError: If one sample per micro-batch failed.
+    """
+    if failure.micro_batches >= failure.batch_size:
+        raise MicroBatchTooLargeError(
+            "A micro-batch of one sample ran out of memory "
+            f"(batch of {failure.batch_size} in {failure.micro_batches} "
+            "micro-batches). HINT: use a smaller model, mixed precision, or a "
+            "device with more memory."
+        ) from failure.error
+    return min(failure.batch_size, 2 * failure.micro_batches)
+
+
+class ReplayingTrainFunction:
+    """`model.train_function` for JAX `fit`: micro-batched, replays on OOM.
+
+    Called by `fit` as `train_function(state, iterator)`. For each batch it
+    pulls (`steps_per_execution` of them), it takes the count from `plan`
+    (when given) or keeps `micro_batches`, runs the compiled step of
+    `cache`, and on an out-of-memory error calls `on_out_of_memory` for a
+    larger count and runs the batch again. The failed attempt leaves the
+    weights, optimizer variables and metrics as they were: the step does not
+    donate the state, and the metrics are updated only by a step that
+    completes.
+
+    Args:
+        model: A compiled Keras model on the JAX backend.
+        micro_batches: The count to start with, an `int` >= 1. Defaults to
+            `1`.
+        cache: The `StepCache` to compile steps into. Defaults to `None`:
+            a new one for `model`.
+        plan: A function `(state, data) -> int or None` called before each
+            batch; an int sets the count for it. Defaults to `None`.
+        on_out_of_memory: A function `StepOutOfMemory -> int` returning a
+            count larger than the one that failed, or raising. Defaults to
+            `None`: `double_micro_batches`.
+
+    Raises:
+        ValueError: If `micro_batches` is not an integer >= 1.
+
+    Example:
+
+    ```python
+    model.compile(optimizer="adam", loss="mse")
+    model.train_function = ReplayingTrainFunction(model, micro_batches=2)
+    model.fit(x, y, batch_size=256)
+    ```
+    """
+
+    def __init__(self, model, micro_batches=1, cache=None, plan=None,
+                 on_out_of_memory=None):
+        self.model = model
+        self.micro_batches = validate_micro_batches(micro_batches)
+        self.cache = cache if cache is not None else StepCache(model)
+        self.plan = plan
+        self.on_out_of_memory = on_out_of_memory or double_micro_batches
+        # Batches replayed after an out-of-memory error, and the failures.
+        self.replays = 0
+        self.failures = []
+
+    def __call__(self, state, iterator):
+        logs, state = self.run(state, next(iterator))
+        for _ in range(getattr(self.model, "steps_per_execution", 1) - 1):
+            try:
+                data = next(iterator)
+            except StopIteration:
+                break
+            logs, state = self.run(state, data)
+        return logs, state
+
+    def run(self, state, data):
+        """Runs one batch, replaying it with more micro-batches on OOM.
+
+        Args:
+            state: The state tuple, as `fit` passes it.
+            data: The batch.
+
+        Returns:
+            `(logs, state)`.
+
+        Raises:
+            MicroBatchTooLargeError: From the default handler, when one
+                sample per micro-batch runs out of memory.
+            ValueError: If the handler returns a count not larger than the
+                one that failed.
+        """
+        batch_size = batch_size_of(data)
+        if self.plan is not None:
+            planned = self.plan(state, data)
+            if planned is not None:
+                self.micro_batches = validate_micro_batches(planned)
+        while True:
+            k = min(self.micro_batches, batch_size)
+            try:
+                return self.cache.compiled(k, state, data)(state, data)
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                failure = StepOutOfMemory(batch_size, k, error, failed_allocation_bytes(error))
+                self.failures.append(failure)
+                larger = self.on_out_of_memory(failure)
+                if (
+                    isinstance(larger, bool)
+                    or not isinstance(larger, int)
+                    or min(larger, batch_size) <= k
+                ):
+                    raise ValueError(
+                        "`on_out_of_memory` must return a micro-batch count "
+                        f"larger than the one that failed ({k}), for a batch "
+                        f"of {batch_size}. Received: {larger!r}"
+                    ) from error
+                self.micro_batches = larger
+                self.replays += 1

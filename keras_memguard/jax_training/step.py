@@ -1,0 +1,240 @@
+"""The micro-batched train step for Keras' JAX trainer.
+
+`micro_batch_train_step(model, state, data, micro_batches)` has the
+signature and the result of `JAXTrainer.train_step(state, data)`: it is pure,
+takes the state tuple `(trainable, non_trainable, optimizer, metrics
+variables)` and returns `(logs, state)`. It splits the batch into `k`
+micro-batches whose sizes differ by at most one (the first `n % k` are one
+larger, as on TensorFlow), runs the forward and backward pass of each in a
+`jax.lax.scan` (one loop per micro-batch size, so XLA keeps one micro-batch's
+activations alive at a time), sums the gradients weighted by each
+micro-batch's share of the samples, and applies them once. The loss tracker
+and the compiled metrics are updated once, on the whole batch's predictions
+and its sample-weighted mean loss, as `train_step` updates them.
+
+For a loss that is a mean over the batch's samples (Keras' default
+`"sum_over_batch_size"` reduction, with or without sample weights) the
+update equals the whole batch's to float tolerance. Not equal: layers that
+use batch statistics (`BatchNormalization` normalizes each micro-batch by
+its own moments and updates its moving statistics once per micro-batch),
+losses masked per element (each micro-batch divides by its own count of
+unmasked elements), and losses added by layers that depend on the inputs
+and are summed rather than averaged over the batch.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from keras_memguard.jax_training import compat
+
+
+def validate_micro_batches(micro_batches):
+    """Checks a micro-batch count and returns it.
+
+    Args:
+        micro_batches: The number of micro-batches, an `int` >= 1.
+
+    Returns:
+        `micro_batches`, unchanged.
+
+    Raises:
+        ValueError: If `micro_batches` is not an integer >= 1.
+
+    Example:
+
+    >>> validate_micro_batches(4)
+    4
+    """
+    if (
+        isinstance(micro_batches, bool)
+        or not isinstance(micro_batches, int)
+        or micro_batches < 1
+    ):
+        raise ValueError(
+            "`micro_batches` must be an integer >= 1. "
+            f"Received: micro_batches={micro_batches!r}"
+        )
+    return micro_batches
+
+
+def micro_batch_segments(batch_size, micro_batches):
+    """How a batch is cut: runs of micro-batches of one size.
+
+    Args:
+        batch_size: Samples in the batch, an `int` >= 1.
+        micro_batches: The number of micro-batches, an `int` >= 1; a batch
+            smaller than it is cut into one micro-batch per sample.
+
+    Returns:
+        A tuple of `(start, count, size)`: `count` micro-batches of `size`
+        samples each, starting at row `start`; the larger ones first.
+
+    Example:
+
+    >>> micro_batch_segments(10, 4)
+    ((0, 2, 3), (6, 2, 2))
+    """
+    k = min(validate_micro_batches(micro_batches), batch_size)
+    size, larger = divmod(batch_size, k)
+    segments = []
+    if larger:
+        segments.append((0, larger, size + 1))
+    if k - larger:
+        segments.append((larger * (size + 1), k - larger, size))
+    return tuple(segments)
+
+
+def batch_size_of(data):
+    """The number of samples in a batch: the first dimension of its inputs.
+
+    Args:
+        data: A batch as Keras' data adapters yield it (`(x, y,
+            sample_weight)`, `(x, y)` or `(x,)`), arrays or shape specs.
+
+    Returns:
+        An `int`.
+
+    Raises:
+        ValueError: If the batch holds no array with a first dimension.
+    """
+    x, _, _ = compat.unpack_data(data)
+    for leaf in jax.tree_util.tree_leaves(x):
+        shape = getattr(leaf, "shape", ())
+        if shape:
+            return int(shape[0])
+    raise ValueError(
+        "The batch has no input array with a batch dimension. "
+        f"Received: data={jax.tree_util.tree_map(jnp.shape, data)!r}"
+    )
+
+
+def _stacked(tree, start, count, size):
+    """Rows `start:start + count*size` of every array, as `(count, size, ...)`."""
+    return jax.tree_util.tree_map(
+        lambda a: a[start : start + count * size].reshape((count, size) + a.shape[1:]),
+        tree,
+    )
+
+
+def _unstacked(tree):
+    return jax.tree_util.tree_map(
+        lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), tree
+    )
+
+
+def micro_batch_train_step(model, state, data, micro_batches):
+    """One training step of `model` on `data` in `micro_batches` parts.
+
+    Pure, as `JAXTrainer.train_step`: with `micro_batches=1` it is that
+    method. Jit it with `micro_batches` static (`make_train_step`).
+
+    Args:
+        model: A compiled Keras model on the JAX backend whose class does not
+            replace `train_step`.
+        state: `(trainable, non_trainable, optimizer, metrics variables)`,
+            each a list of arrays, as `fit` passes it.
+        data: The batch, as Keras' data adapters yield it.
+        micro_batches: The number of micro-batches, an `int` >= 1.
+
+    Returns:
+        `(logs, state)`: the metrics' results and the new state, as
+        `train_step` returns them.
+
+    Raises:
+        ValueError: If `micro_batches` is not an integer >= 1.
+    """
+    validate_micro_batches(micro_batches)
+    if micro_batches == 1:
+        return model.train_step(state, data)
+    trainable, non_trainable, optimizer_variables, metrics_variables = state
+    x, y, sample_weight = compat.unpack_data(data)
+    batch_size = batch_size_of(data)
+    grad_fn = jax.value_and_grad(
+        compat.loss_and_updates_function(model), has_aux=True
+    )
+
+    def run(carry, part, share):
+        gradients, non_trainable, metrics_variables, loss = carry
+        part_x, part_y, part_weight = part
+        (_, aux), part_gradients = grad_fn(
+            trainable,
+            non_trainable,
+            metrics_variables,
+            part_x,
+            part_y,
+            part_weight,
+            training=True,
+            optimizer_variables=optimizer_variables,
+        )
+        unscaled_loss, y_pred, non_trainable, metrics_variables = aux
+        # The whole batch's mean loss is the micro-batches' means, each
+        # weighted by its share of the samples; so are its gradients.
+        gradients = jax.tree_util.tree_map(
+            lambda total, g: total + (g * share).astype(total.dtype),
+            gradients,
+            part_gradients,
+        )
+        loss = loss + (unscaled_loss * share).astype(loss.dtype)
+        return (gradients, non_trainable, metrics_variables, loss), y_pred
+
+    carry = (
+        jax.tree_util.tree_map(jnp.zeros_like, trainable),
+        non_trainable,
+        metrics_variables,
+        jnp.zeros((), "float32"),
+    )
+    predictions = []
+    for start, count, size in micro_batch_segments(batch_size, micro_batches):
+        parts = _stacked((x, y, sample_weight), start, count, size)
+        body = functools.partial(run, share=size / batch_size)
+        if count == 1:
+            carry, y_pred = body(carry, jax.tree_util.tree_map(lambda a: a[0], parts))
+            predictions.append(y_pred)
+        else:
+            carry, y_pred = jax.lax.scan(body, carry, parts)
+            predictions.append(_unstacked(y_pred))
+    gradients, non_trainable, metrics_variables, loss = carry
+    y_pred = jax.tree_util.tree_map(
+        lambda *parts: jnp.concatenate(parts, axis=0), *predictions
+    )
+
+    trainable, optimizer_variables = model.optimizer.stateless_apply(
+        optimizer_variables, gradients, trainable
+    )
+    logs, metrics_variables = compat.update_metrics_variables(
+        model, metrics_variables, loss, x, y, y_pred, sample_weight
+    )
+    return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+def make_train_step(model, micro_batches):
+    """`micro_batch_train_step` for one count, jitted, without donation.
+
+    Keras' own step donates the state (`donate_argnums=0`): its buffers are
+    consumed by the call. This one does not, so a call that fails (out of
+    memory) leaves the state as it was, to replay the batch with. The price
+    is one more copy of the state alive during the step; the compiled
+    step's `memory_analysis()` counts it.
+
+    Args:
+        model: A compiled Keras model on the JAX backend.
+        micro_batches: The number of micro-batches, an `int` >= 1.
+
+    Returns:
+        A jitted function `(state, data) -> (logs, state)`.
+
+    Example:
+
+    ```python
+    step = make_train_step(model, micro_batches=4)
+    logs, state = step(state, (x, y))
+    ```
+    """
+    validate_micro_batches(micro_batches)
+
+    def train_step(state, data):
+        return micro_batch_train_step(model, state, data, micro_batches)
+
+    return jax.jit(train_step)

@@ -1,0 +1,76 @@
+"""The micro-batched JAX step against plain Keras JAX `fit`.
+
+Twins from the same initial weights train on the same data in the same order
+(`shuffle=False`), one with Keras' own step, one with the micro-batched step
+installed as `model.train_function`; 100 samples in batches of 32 end with a
+batch of 4, so k=3 cuts uneven micro-batches (and k=3 on 4 samples too).
+"""
+
+import numpy as np
+import pytest
+
+import keras
+
+from jax_models import USER_MODELS
+from jax_models import max_weight_difference
+from jax_models import twins
+from keras_memguard.jax_training import ReplayingTrainFunction
+from keras_memguard.jax_training import micro_batch_segments
+
+FIT = dict(batch_size=32, epochs=2, shuffle=False, verbose=0)
+# float32 sums in another order; measured up to 5e-7 here.
+TOLERANCE = 1e-5
+# BatchNormalization normalizes each micro-batch by its own moments and
+# updates its moving statistics once per micro-batch: an approximation, not
+# the whole batch's update; its trainable weights stay close.
+BATCH_NORM_TOLERANCE = 0.05
+
+
+def test_segments_match_the_tensorflow_split():
+    assert micro_batch_segments(10, 4) == ((0, 2, 3), (6, 2, 2))
+    assert micro_batch_segments(32, 3) == ((0, 2, 11), (22, 1, 10))
+    assert micro_batch_segments(8, 4) == ((0, 4, 2),)
+    assert micro_batch_segments(3, 8) == ((0, 3, 1),)  # one sample each
+    with pytest.raises(ValueError, match="micro_batches"):
+        micro_batch_segments(8, 0)
+
+
+@pytest.fixture(scope="module")
+def plain_runs():
+    """Plain Keras JAX `fit` of every user model, from its initial weights."""
+    runs = {}
+    for name, (build, data) in USER_MODELS.items():
+        plain, _ = twins(build)
+        initial = plain.get_weights()
+        history = plain.fit(*data(), **FIT)
+        runs[name] = (initial, plain, history)
+    return runs
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("name", sorted(USER_MODELS))
+def test_micro_batched_fit_matches_plain_fit(plain_runs, name, k):
+    build, data = USER_MODELS[name]
+    initial, plain, plain_history = plain_runs[name]
+    keras.utils.set_random_seed(0)
+    model = build()
+    model.set_weights(initial)
+    model.train_function = ReplayingTrainFunction(model, micro_batches=k)
+    history = model.fit(*data(), **FIT)
+
+    exact = name != "cnn_batch_norm" or k == 1
+    if exact:
+        difference = max_weight_difference(plain, model)
+        assert difference < TOLERANCE, difference
+    else:
+        # The moving statistics differ more (k updates per step).
+        difference = max_weight_difference(plain, model, trainable_only=True)
+        assert difference < BATCH_NORM_TOLERANCE, difference
+        assert all(np.isfinite(w).all() for w in model.get_weights())
+    assert sorted(history.history) == sorted(plain_history.history)
+    if exact:
+        for key, values in plain_history.history.items():
+            np.testing.assert_allclose(history.history[key], values, rtol=1e-5, atol=1e-6)
+    # The state went back to the model's variables: evaluate runs on it.
+    x, y = data()
+    model.evaluate(x, y, verbose=0)
