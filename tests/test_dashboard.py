@@ -10,6 +10,7 @@ started here is stopped in a `finally`, and each wait has a deadline.
 
 import json
 import os
+import re
 import shutil
 import struct
 import urllib.parse
@@ -18,6 +19,9 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.plugins.custom_scalar import metadata as custom_scalars_metadata
 
 import keras_memguard
 from keras_memguard.sinks import tensorboard as tb
@@ -30,6 +34,8 @@ CPU0 = tb.device_tags("cpu0")
 # Chart title -> the tags it shows: all of them written by this run's fit.
 EXPECTED = {
     tb.DEVICE_CHART.format(dev="cpu0"): {CPU0["current"], CPU0["peak"], CPU0["limit"]},
+    # The monitor writes the process's resident memory.
+    tb.HOST_CHART: {tb.HOST_RSS_MIB},
     # The guard writes its threshold: drawn over the usage.
     tb.USAGE_CHART: {CPU0["usage"], tb.THRESHOLD},
     tb.MICRO_BATCH_CHART: {tb.MICRO_BATCHES, tb.OOM_RECOVERIES},
@@ -59,6 +65,51 @@ def log_dir(tmp_path_factory):
             ],
         )
     return log_dir
+
+
+def test_host_chart_shows_exactly_the_host_rss_tag():
+    layout = tb.dashboard_layout(["cpu0"], host=True)
+    (category,) = layout.category
+    charts = {chart.title: list(chart.multiline.tag) for chart in category.chart}
+    # After the device charts, before usage and the micro-batches.
+    assert list(charts) == [
+        tb.DEVICE_CHART.format(dev="cpu0"), tb.HOST_CHART, tb.USAGE_CHART,
+        tb.MICRO_BATCH_CHART,
+    ]
+    written = set(CPU0.values()) | {
+        tb.HOST_RSS_MIB, tb.MICRO_BATCHES, tb.OOM_RECOVERIES, tb.THRESHOLD
+    }
+    (regex,) = charts[tb.HOST_CHART]
+    assert {tag for tag in written if re.match(regex, tag)} == {tb.HOST_RSS_MIB}
+    for title, regexes in charts.items():
+        if title != tb.HOST_CHART:
+            assert not any(re.match(r, tb.HOST_RSS_MIB) for r in regexes), title
+
+
+def test_the_writer_adds_the_host_chart_when_the_host_tag_appears(tmp_path):
+    writer = tb.writer_for(tmp_path)
+    writer.write_values(1, (CPU0["current"], CPU0["peak"]), (1.0, 2.0))
+    writer.flush()
+    writer.write_values(2, (CPU0["current"], tb.HOST_RSS_MIB), (1.0, 500.0))
+    writer.flush()
+    acc = event_accumulator.EventAccumulator(
+        writer.run_dir, size_guidance={event_accumulator.TENSORS: 0}
+    )
+    acc.Reload()
+    layouts = [
+        (event.step, [
+            chart.title
+            for chart in layout_pb2.Layout.FromString(
+                event.tensor_proto.string_val[0]
+            ).category[0].chart
+        ])
+        for event in acc.Tensors(custom_scalars_metadata.CONFIG_SUMMARY_TAG)
+    ]
+    assert layouts == [
+        (1, [tb.DEVICE_CHART.format(dev="cpu0")]),
+        (2, [tb.DEVICE_CHART.format(dev="cpu0"), tb.HOST_CHART]),
+    ]
+    writer.close()
 
 
 @pytest.fixture(scope="module")

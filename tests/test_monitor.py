@@ -51,8 +51,9 @@ PEAK = "memory/cpu0/peak_mib"
 LIMIT = "memory/cpu0/limit_mib"
 USAGE = "memory/cpu0/usage"
 EPOCH_PEAK = "memory/cpu0/epoch_peak_mib"
-BATCH_TAGS = (CURRENT, PEAK, LIMIT, USAGE)
-ALL_TAGS = {CURRENT, PEAK, LIMIT, USAGE, EPOCH_PEAK}
+HOST_RSS = "memory/host/rss_mib"
+BATCH_TAGS = (CURRENT, PEAK, LIMIT, USAGE, HOST_RSS)
+ALL_TAGS = {CURRENT, PEAK, LIMIT, USAGE, EPOCH_PEAK, HOST_RSS}
 
 BATCH_SIZE = 4
 BATCHES = 12  # per epoch: divisible by 2, 3 and 4
@@ -334,7 +335,12 @@ def test_two_monitors_on_one_model_both_get_each_batch_peak(main_run):
     # The second monitor reads the same batch through the shared reader, not
     # the empty interval left after the first one reset the peak.
     batch, twin = main_run["scalars"]["batch"], main_run["scalars"]["twin"]
-    assert twin == batch
+    device = lambda scalars: {k: v for k, v in scalars.items() if k != HOST_RSS}
+    assert device(twin) == device(batch)
+    # Each monitor reads the host's RSS itself, a few microseconds apart.
+    assert _steps(twin[HOST_RSS]) == _steps(batch[HOST_RSS])
+    for a, b in zip(_values(twin[HOST_RSS]), _values(batch[HOST_RSS])):
+        assert abs(a - b) < 1.0
     assert all(p > c for p, c in zip(_values(twin[PEAK]), _values(twin[CURRENT])))
 
 
@@ -389,6 +395,26 @@ def test_logs_keys_in_batch_logs_history_and_csv(main_run):
         history_peaks, rel=1e-12
     )
     assert all(0 < float(r["memory_usage"]) <= 1 for r in rows)
+
+
+def test_host_rss_in_the_logs_is_what_the_event_file_has(main_run):
+    after = main_run["after"]
+    # "twin", the last monitor, read last: its values stay in the logs.
+    rss = main_run["scalars"]["twin"][HOST_RSS]
+    assert _steps(rss) == list(range(1, TOTAL + 1))
+    assert _values(rss) == [_f32(logs["host_rss_mib"]) for logs in after.logs]
+    assert all(value > 0 for value in _values(rss))
+    epochs = []
+    for history in main_run["histories"]:
+        epochs += history["host_rss_mib"]
+    # The epoch logs get the epoch's highest sample of the last monitor.
+    per_batch = [logs["host_rss_mib"] for logs in after.logs]
+    assert epochs == [
+        max(per_batch[i : i + BATCHES]) for i in range(0, TOTAL, BATCHES)
+    ]
+    assert [float(r["host_rss_mib"]) for r in main_run["csv_rows"]] == pytest.approx(
+        epochs, rel=1e-12
+    )
 
 
 # --------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""MemoryMonitor: log device memory every batch to TensorBoard and the logs."""
+"""MemoryMonitor: log device and host memory every batch to TensorBoard and the logs."""
 
 import logging
 import math
@@ -12,6 +12,7 @@ import tensorflow as tf
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks.sampling import resolve_limits
 from keras_memguard.callbacks.sampling import shared_reader
+from keras_memguard.probes import host as host_memory
 from keras_memguard.probes.tf_allocator import AllocatorProbe
 from keras_memguard.probes.nvml import NvmlProbe
 from keras_memguard.sinks import tensorboard as tb
@@ -22,6 +23,7 @@ logger = logging.getLogger("keras_memguard")
 PEAK_LOG_KEY = "memory_peak_mib"
 _MIB = float(1024 * 1024)
 USAGE_LOG_KEY = "memory_usage"
+HOST_RSS_LOG_KEY = "host_rss_mib"
 
 
 class MemoryMonitor(keras.callbacks.Callback):
@@ -32,7 +34,10 @@ class MemoryMonitor(keras.callbacks.Callback):
     otherwise `GPU:i`, or `CPU:0` without a GPU) is read: the bytes in use and the
     highest bytes in use since the previous sample (the per-batch peak, which
     is what predicts the next out-of-memory error). On NVIDIA GPUs, NVML's
-    device-wide readings are logged beside them.
+    device-wide readings are logged beside them. The process's resident
+    memory on the host (RSS, from `/proc/self/statm` on Linux) is read with
+    them, so an input pipeline that holds its data in host memory (a
+    `.cache()`d dataset, arrays copied every epoch) shows up too.
 
     TensorBoard scalars are written to the run `<log_dir>/memguard`, next to
     the runs of `keras.callbacks.TensorBoard` (`{dev}` is `gpu0`, `gpu1`, ...,
@@ -43,6 +48,9 @@ class MemoryMonitor(keras.callbacks.Callback):
       `memory/{dev}/usage` (peak / limit, 0..1);
     - with NVML: `memory/{dev}/nvml_used_mib`,
       `memory/{dev}/nvml_process_mib`, `utilization/{dev}/gpu_percent`;
+    - `memory/host/rss_mib`: the process's resident memory (not written
+      where there is no `/proc`; one INFO line on the `keras_memguard`
+      logger says so);
     - at each epoch end: `memory/{dev}/epoch_peak_mib`.
 
     The step is a global batch counter that keeps rising across epochs and
@@ -57,7 +65,9 @@ class MemoryMonitor(keras.callbacks.Callback):
     in the `callbacks` list: the progress bar, `History`, `CSVLogger` and
     `keras.callbacks.TensorBoard` (`batch_memory_peak_mib`,
     `epoch_memory_peak_mib`, ...). With `steps_per_execution > 1`, one
-    sample covers every step of the execution.
+    sample covers every step of the execution. `host_rss_mib` goes with
+    them: the RSS at the sample in the batch logs, the highest sampled in
+    the epoch in the epoch logs.
 
     Args:
         log_dir: Directory for TensorBoard logs, usually the same as the one
@@ -195,6 +205,7 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._every = 1 if update_freq == "batch" else update_freq
         self._writer = tb.writer_for(log_dir) if log_dir is not None else None
         self._nvml_probe = NvmlProbe() if nvml else None
+        self._host_probe = host_memory.shared_probe()
         self._reader = None
         self._tags = {}
         # Global batch counter across epochs and fits, and the epoch's state.
@@ -215,6 +226,7 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._epoch_peaks = None
         self._epoch_peak_mib = None
         self._epoch_usage = None
+        self._epoch_rss_mib = None
         # The logs dict the train function returned last, once this monitor
         # added its values to it; None when on_train_batch_end must.
         self._contributed = None
@@ -246,6 +258,9 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._epoch_steps = (self.params or {}).get("steps")
         self._nvml_on = self._nvml_probe is not None and self._nvml_probe.available
         self._reader.reset()
+        # Opens the statm file now (or says once that it cannot), not in a
+        # batch.
+        self._host_probe.available
         if self._writer is not None:
             self._writer.acquire(self)
         if self._spikes is not None:
@@ -271,6 +286,7 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._epoch_peaks = None
         self._epoch_peak_mib = None
         self._epoch_usage = None
+        self._epoch_rss_mib = None
 
     def _contribute(self, logs):
         """Adds the batch's values to the train function's own logs.
@@ -306,6 +322,7 @@ class MemoryMonitor(keras.callbacks.Callback):
             # batch: it carries the epoch's values from here on.
             _put(contributed, PEAK_LOG_KEY, self._epoch_peak_mib)
             _put(contributed, USAGE_LOG_KEY, self._epoch_usage)
+            _put(contributed, HOST_RSS_LOG_KEY, self._epoch_rss_mib)
 
     def _after_batch(self, batch, logs, key):
         # With steps_per_execution > 1 Keras reports once per execution.
@@ -339,6 +356,8 @@ class MemoryMonitor(keras.callbacks.Callback):
         if self._open_interval:
             # The batches since the last sample; in "epoch" mode, the epoch.
             self._sample(None, key=None, write=self.update_freq == "epoch")
+        if logs is not None:
+            _put(logs, HOST_RSS_LOG_KEY, self._epoch_rss_mib)
         peaks = self._epoch_peaks
         if peaks is None:
             return
@@ -369,13 +388,14 @@ class MemoryMonitor(keras.callbacks.Callback):
         for device in self._devices:
             names = self._tags_of(device)
             tags += (names["current"], names["peak"], names["limit"], names["usage"])
+        tags.append(tb.HOST_RSS_MIB)  # last, after every device's values
         self._batch_tags = tuple(tags)
 
     def _sample(self, logs, key, write):
         """Reads the probes; with `write`, writes one point per device.
 
-        The per-batch path: one (shared) probe reading, a few comparisons,
-        and one row queued for the writer.
+        The per-batch path: one (shared) allocator reading, one read of the
+        host's RSS, a few comparisons, and one row queued for the writer.
         """
         self._open_interval = False
         samples = self._reader.read(self, key)
@@ -406,6 +426,16 @@ class MemoryMonitor(keras.callbacks.Callback):
             old = peaks[i]
             if old is None or peak > old:
                 peaks[i] = peak
+        rss = self._host_probe.rss_bytes()
+        if rss is None:
+            values.append(None)
+        else:
+            rss_mib = rss / _MIB
+            values.append(rss_mib)
+            if self._epoch_rss_mib is None or rss_mib > self._epoch_rss_mib:
+                self._epoch_rss_mib = rss_mib
+            if logs is not None:
+                logs[HOST_RSS_LOG_KEY] = rss_mib
         if peak_mib is not None:
             if self._epoch_peak_mib is None or peak_mib > self._epoch_peak_mib:
                 self._epoch_peak_mib = peak_mib

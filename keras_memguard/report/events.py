@@ -61,6 +61,8 @@ class RunData(NamedTuple):
         oom_reports: The out-of-memory explanations, one dict per
             `oom-*.json` file, each with a `"file"` key; a file that cannot
             be read gives `{"file": ..., "error": ...}`.
+        host_rss: `memory/host/rss_mib` (the process's resident memory),
+            empty where it was not logged.
     """
 
     name: str
@@ -72,11 +74,13 @@ class RunData(NamedTuple):
     epoch_ends: Tuple[int, ...]
     epoch_source: Optional[str]
     oom_reports: Tuple[dict, ...]
+    host_rss: Series = Series()
 
     @property
     def steps(self):
         """Every step with a point, sorted."""
         found = set(self.micro_batches.steps)
+        found.update(self.host_rss.steps)
         for series in self.devices.values():
             for key in ("current", "peak"):
                 found.update(series[key].steps)
@@ -196,6 +200,7 @@ def load_run(run_dir, log_dir=None):
         epoch_ends=tuple(epoch_ends),
         epoch_source=epoch_source,
         oom_reports=load_oom_reports(run_dir),
+        host_rss=scalar(tb.HOST_RSS_MIB),
     )
 
 

@@ -12,10 +12,13 @@ import os
 
 from keras_memguard.errors import MissingExtraError
 
-# One run is drawn this size (inches, at DPI): memory above, k below.
+# One run is drawn this size (inches, at DPI): device memory above, the
+# host's resident memory in the middle, k below.
 WIDTH_IN = 12.0
-RUN_HEIGHT_IN = 6.0
+RUN_HEIGHT_IN = 7.5
 DPI = 100
+# Heights of the three panels of a run, relative to each other.
+PANEL_RATIOS = (3.0, 1.3, 1.0)
 
 INSTALL_HINT = 'pip install "keras-memguard[report]"'
 
@@ -41,13 +44,15 @@ def figure_size_pixels(run_count):
 
 
 def draw(runs, summaries):
-    """Draws each run: memory against the limit over steps, and `k`.
+    """Draws each run: memory against the limit over steps, host memory, `k`.
 
     Per run, the upper axes show each device's per-batch peak (solid),
     current (thin) and limit (dashed) in MiB, the highest peak marked; the
-    lower axes show the micro-batch count `k` as a step line with each
-    change marked. Out-of-memory recoveries are red vertical lines with a
-    cross, epoch ends grey dotted lines, on both.
+    middle axes the process's resident host memory (RSS) in MiB, its
+    highest point marked; the lower axes the micro-batch count `k` as a
+    step line with each change marked. Out-of-memory recoveries are red
+    vertical lines, epoch ends grey dotted lines, on all three, and each
+    recovery a red cross under `k`.
 
     Args:
         runs: A list of `RunData`.
@@ -63,13 +68,14 @@ def draw(runs, summaries):
     count = max(1, len(runs))
     figure = Figure(figsize=(WIDTH_IN, RUN_HEIGHT_IN * count), dpi=DPI)
     grid = figure.add_gridspec(
-        2 * count, 1, height_ratios=[3, 1] * count, hspace=0.45,
-        left=0.07, right=0.82, top=1 - 0.06 / count, bottom=0.08 / count,
+        3 * count, 1, height_ratios=list(PANEL_RATIOS) * count, hspace=0.5,
+        left=0.07, right=0.82, top=1 - 0.05 / count, bottom=0.07 / count,
     )
     colors = [f"C{i}" for i in range(10)]
     for index, (run, summary) in enumerate(zip(runs, summaries)):
-        memory = figure.add_subplot(grid[2 * index])
-        ks = figure.add_subplot(grid[2 * index + 1], sharex=memory)
+        memory = figure.add_subplot(grid[3 * index])
+        host = figure.add_subplot(grid[3 * index + 1], sharex=memory)
+        ks = figure.add_subplot(grid[3 * index + 2], sharex=memory)
         name = run.name
         if name == ".":
             name = os.path.basename(os.path.dirname(run.path)) or name
@@ -97,6 +103,26 @@ def draw(runs, summaries):
             memory.text(0.5, 0.5, "no memory scalars (MemoryMonitor with log_dir)",
                         ha="center", va="center", transform=memory.transAxes)
 
+        host.set_ylabel("host RSS, MiB")
+        if run.host_rss:
+            host.plot(run.host_rss.steps, run.host_rss.values, color="C4",
+                      linewidth=1.4, label="host RSS (this process)")
+            if summary.host is not None:
+                host.plot([summary.host.peak_step], [summary.host.peak_mib],
+                          marker="v", color="black", linestyle="none",
+                          label=f"highest (step {summary.host.peak_step})")
+            low, high = min(run.host_rss.values), max(run.host_rss.values)
+            # From zero would flatten a pipeline's growth on top of the
+            # runtime's few hundred MiB: margins around the values instead.
+            margin = max((high - low) * 0.15, high * 0.02, 1.0)
+            host.set_ylim(bottom=max(0.0, low - margin), top=high + margin)
+            host.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+                        frameon=False)
+        else:
+            host.text(0.5, 0.5, "no host memory scalars (MemoryMonitor with log_dir, "
+                      "on Linux)", ha="center", va="center", transform=host.transAxes)
+        host.grid(alpha=0.3)
+
         ks.set_ylabel("micro-batches k")
         ks.set_xlabel("step (batches)")
         if run.micro_batches:
@@ -111,7 +137,7 @@ def draw(runs, summaries):
             ks.text(0.5, 0.5, "no micro-batch scalars (MemoryGuard with log_dir)",
                     ha="center", va="center", transform=ks.transAxes)
 
-        for axes in (memory, ks):
+        for axes in (memory, host, ks):
             for number, end in enumerate(summary.epoch_ends):
                 axes.axvline(end + 0.5, color="grey", linestyle=":", linewidth=1,
                              label="epoch end" if number == 0 and axes is memory else None)

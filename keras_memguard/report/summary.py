@@ -36,6 +36,31 @@ class DeviceSummary(NamedTuple):
         return self.peak_mib / self.limit_mib
 
 
+class HostSummary(NamedTuple):
+    """The process's resident host memory (RSS) over the run, in MiB.
+
+    Attributes:
+        first_mib: The first point's RSS.
+        first_step: Its step.
+        last_mib: The last point's RSS.
+        last_step: Its step.
+        peak_mib: The highest RSS.
+        peak_step: Its step (the first, if it repeats).
+    """
+
+    first_mib: float
+    first_step: int
+    last_mib: float
+    last_step: int
+    peak_mib: float
+    peak_step: int
+
+    @property
+    def growth_mib(self):
+        """The last point's RSS minus the first's."""
+        return self.last_mib - self.first_mib
+
+
 class KChange(NamedTuple):
     """A change of the micro-batch count, decided after batch `step`."""
 
@@ -78,6 +103,7 @@ class RunSummary(NamedTuple):
     recovery_seconds: Optional[float]
     typical_step_seconds: Optional[float]
     oom_reports: Tuple[dict, ...]
+    host: Optional[HostSummary] = None
 
 
 def _int(value):
@@ -102,6 +128,22 @@ def _device_summary(name, series):
         limit_mib,
         current.values[-1] if current else None,
     )
+
+
+def host_summary(host_rss):
+    """The first, last and highest points of the host's RSS.
+
+    Args:
+        host_rss: The `memory/host/rss_mib` `Series`.
+
+    Returns:
+        A `HostSummary`, or `None` when the series is empty.
+    """
+    if not host_rss:
+        return None
+    steps, values = host_rss.steps, host_rss.values
+    top = max(range(len(values)), key=lambda i: (values[i], -i))
+    return HostSummary(values[0], steps[0], values[-1], steps[-1], values[top], steps[top])
 
 
 def k_changes(micro_batches):
@@ -171,7 +213,8 @@ def summarize(run):
         with the highest peak, the changes of `k` and the `k` the run ended
         with, the out-of-memory recoveries and the time spent in them (the
         sum of the recovered batches' extra time; `None` when none could be
-        derived), the epoch ends and the out-of-memory explanations.
+        derived), the epoch ends, the out-of-memory explanations and the
+        host's resident memory.
     """
     devices = tuple(_device_summary(name, series) for name, series in run.devices.items())
     with_peak = [d for d in devices if d.peak_mib is not None]
@@ -198,6 +241,7 @@ def summarize(run):
         recovery_seconds=sum(timed) if timed else None,
         typical_step_seconds=per_step,
         oom_reports=tuple(run.oom_reports),
+        host=host_summary(run.host_rss),
     )
 
 
@@ -313,6 +357,20 @@ def format_summary(summary):
                 lines.append(line)
     else:
         lines.append("  memory: not logged (MemoryMonitor with log_dir writes it)")
+
+    host = summary.host
+    if host is None:
+        if summary.highest is not None:
+            lines.append("  host memory (RSS): not logged")
+    elif host.first_step == host.last_step:
+        lines.append(f"  host memory (RSS): {_mib(host.last_mib)} at step {host.last_step}")
+    else:
+        lines.append(
+            f"  host memory (RSS): {_mib(host.first_mib)} at step {host.first_step}, "
+            f"{_mib(host.last_mib)} at step {host.last_step} "
+            f"({host.growth_mib:+.1f} MiB); highest {_mib(host.peak_mib)} "
+            f"at step {host.peak_step}"
+        )
 
     if summary.final_k is None:
         lines.append("  micro-batches: not logged (MemoryGuard with log_dir writes them)")

@@ -28,8 +28,9 @@ deleted in between, a new one is started.
 
 With the scalars, each writer writes a layout for TensorBoard's Custom
 Scalars dashboard (`dashboard_layout`): a chart per device overlaying
-current, peak and limit, usage against the guard's threshold, and the
-micro-batch count with the out-of-memory recoveries. It is written once,
+current, peak and limit, the process's resident host memory, usage against
+the guard's threshold, and the micro-batch count with the out-of-memory
+recoveries. It is written once,
 when the first scalars of a kind appear, and again only if a new device or
 kind of scalar shows up.
 """
@@ -66,6 +67,8 @@ EPOCH_PEAK_MIB = "memory/{dev}/epoch_peak_mib"
 NVML_USED_MIB = "memory/{dev}/nvml_used_mib"
 NVML_PROCESS_MIB = "memory/{dev}/nvml_process_mib"
 GPU_PERCENT = "utilization/{dev}/gpu_percent"
+# The process's resident memory (RSS) on the host, not a device's.
+HOST_RSS_MIB = "memory/host/rss_mib"
 MICRO_BATCHES = "memguard/micro_batches"
 MICRO_BATCH_SIZE = "memguard/micro_batch_size"
 OOM_RECOVERIES = "memguard/oom_recoveries"
@@ -78,6 +81,7 @@ FLUSH_SECS = 2.0
 # Titles of the dashboard's category and charts (`{dev}` as above).
 DASHBOARD_CATEGORY = "keras_memguard"
 DEVICE_CHART = "{dev} memory: current, peak and limit (MiB)"
+HOST_CHART = "Host memory: resident set size of the process (MiB)"
 USAGE_CHART = "Memory usage (peak / limit) and threshold"
 MICRO_BATCH_CHART = "Micro-batches and out-of-memory recoveries"
 
@@ -113,7 +117,7 @@ def to_mib(num_bytes):
     return None if num_bytes is None else num_bytes / _MIB
 
 
-def dashboard_layout(devices=(), usage=True, guard=True):
+def dashboard_layout(devices=(), usage=True, guard=True, host=False):
     """Returns the Custom Scalars layout of the memory dashboard.
 
     Each chart is a multiline chart whose tag regular expressions match the
@@ -126,6 +130,9 @@ def dashboard_layout(devices=(), usage=True, guard=True):
             guard's `threshold`. Defaults to `True`.
         guard: Whether to add the chart of `micro_batches` and
             `oom_recoveries`. Defaults to `True`.
+        host: Whether to add the chart of the process's resident memory
+            (`memory/host/rss_mib`), after the device charts. Defaults to
+            `False`.
 
     Returns:
         A `tensorboard.plugins.custom_scalar.layout_pb2.Layout`.
@@ -139,6 +146,15 @@ def dashboard_layout(devices=(), usage=True, guard=True):
         )
         for device in devices
     ]
+    if host:
+        charts.append(
+            layout_pb2.Chart(
+                title=HOST_CHART,
+                multiline=layout_pb2.MultilineChartContent(
+                    tag=["^%s$" % re.escape(HOST_RSS_MIB)]
+                ),
+            )
+        )
     if usage:
         charts.append(
             layout_pb2.Chart(
@@ -293,6 +309,7 @@ class ScalarWriter:
         self._devices = []
         self._has_usage = False
         self._has_guard = False
+        self._has_host = False
         self._layout_bytes = None
         self._layout_event = None
 
@@ -492,11 +509,15 @@ class ScalarWriter:
             self._has_usage = changed = True
         if tag in (MICRO_BATCHES, OOM_RECOVERIES) and not self._has_guard:
             self._has_guard = changed = True
+        if tag == HOST_RSS_MIB and not self._has_host:
+            self._has_host = changed = True
         return changed
 
     def _layout_event_at(self, step, wall):
         """The dashboard layout's event, or `None` if it did not change."""
-        layout = dashboard_layout(self._devices, self._has_usage, self._has_guard)
+        layout = dashboard_layout(
+            self._devices, self._has_usage, self._has_guard, self._has_host
+        )
         layout_bytes = layout.SerializeToString()
         if not layout.category[0].chart or layout_bytes == self._layout_bytes:
             return None
