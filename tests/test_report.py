@@ -12,11 +12,13 @@ import base64
 import importlib.metadata
 import inspect
 import json
+import os
 import re
 import shutil
 import struct
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -27,6 +29,7 @@ import tensorflow as tf
 import keras_memguard
 import programs
 from keras_memguard import __main__ as cli_main
+from keras_memguard.report import advice as advice_lib
 from keras_memguard.report import events
 from keras_memguard.report import plot
 from keras_memguard.report import summary as summary_lib
@@ -193,7 +196,7 @@ def test_epoch_ends_come_from_the_monitor(known_summary):
 
 
 def test_summary_text(known_summary):
-    _, summary = known_summary
+    run, summary = known_summary
     text = summary_lib.format_summary(summary)
     assert "steps 1-8, 2 epochs (ending at steps 4, 8)" in text
     assert re.search(
@@ -206,6 +209,12 @@ def test_summary_text(known_summary):
         + ", ".join(f"after step {c.step}: {c.old} -> {c.new}" for c in changes)
     ) in text
     assert "out-of-memory recoveries: none" in text
+    # The monitor logged the process's resident memory at every step.
+    assert run.host_rss.steps == tuple(range(1, 9))
+    assert re.search(
+        r"host memory \(RSS\): \d+\.\d MiB at step 1, \d+\.\d MiB at step 8 "
+        r"\([+-]\d+\.\d MiB\); highest \d+\.\d MiB at step [1-8]\n", text
+    ), text
 
 
 # --- Drawing ---
@@ -218,9 +227,9 @@ def test_png_decodes_at_the_expected_size(known_run, tmp_path):
     text = keras_memguard.report.make_report(known_run["log_dir"], output=output)
     assert "at step 3" in text
     data = output.read_bytes()
-    assert png_size(data) == plot.figure_size_pixels(1) == (1200, 600)
+    assert png_size(data) == plot.figure_size_pixels(1) == (1200, 750)
     pixels = matplotlib.image.imread(output)
-    assert pixels.shape[:2] == (600, 1200)
+    assert pixels.shape[:2] == (750, 1200)
     # Something was drawn: not a blank page.
     assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 20
 
@@ -231,7 +240,7 @@ def test_html_is_one_self_contained_page(known_run, tmp_path):
     page = output.read_text(encoding="utf-8")
     assert page.startswith("<!DOCTYPE html>")
     (encoded,) = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
-    assert png_size(base64.b64decode(encoded)) == (1200, 600)
+    assert png_size(base64.b64decode(encoded)) == (1200, 750)
     # Nothing is fetched from elsewhere.
     assert not re.search(r'(src|href)="(?!data:)', page)
     assert " -&gt; " in page  # the summary, escaped
@@ -245,7 +254,7 @@ def test_several_runs_are_found_and_drawn_one_below_the_other(known_run, tmp_pat
     output = tmp_path / "both.png"
     text = keras_memguard.report.make_report(tmp_path, output=output)
     assert text.count("Run ") == 2
-    assert png_size(output.read_bytes()) == plot.figure_size_pixels(2) == (1200, 1200)
+    assert png_size(output.read_bytes()) == plot.figure_size_pixels(2) == (1200, 1500)
     # The run directory itself is accepted too.
     (run,) = events.load_runs(tmp_path / "a" / "memguard")
     assert run.steps == tuple(range(1, 9))
@@ -288,6 +297,138 @@ def test_out_of_memory_explanations_are_listed_tolerating_missing_keys(known_run
     assert "step 7 (oom-7.json): in use 10.0 MiB" in text
     assert "oom-x.json: could not be read" in text
     assert "oom-y.json: could not be read (a JSON list, not an object)" in text
+
+
+# --- keras-memguard advise's result in the log directory ---
+
+ADVICE = {
+    "format": "keras_memguard.advise", "version": 1,
+    "model": "path/to/model.keras", "batch_size": 64, "device": "CPU:0",
+    "limit_mib": 600.0, "fixed_mib": 12.3, "per_sample_mib": 0.8,
+    "largest_batch_size": 512,
+    "variants": [
+        {"name": "float32", "status": "ok", "reason": None, "largest_batch_size": 512,
+         "peak_mib": 310.2, "step_seconds": 0.123, "peak_saving": 0.0,
+         "time_saving": 0.0},
+        {"name": "mixed_float16", "status": "ok", "reason": None,
+         "largest_batch_size": 880, "peak_mib": 180.4, "step_seconds": 0.0984,
+         "peak_saving": 1 - 180.4 / 310.2, "time_saving": 1 - 0.0984 / 0.123},
+        {"name": "remat", "status": "unsupported",
+         "reason": "layer 'multi_head_attention' does not take the previous layer's output",
+         "largest_batch_size": None, "peak_mib": None, "step_seconds": None,
+         "peak_saving": None, "time_saving": None},
+        {"name": "jit_compile", "status": "failed", "reason": "XlaRuntimeError: boom",
+         "largest_batch_size": None, "peak_mib": None, "step_seconds": None,
+         "peak_saving": None, "time_saving": None},
+    ],
+}
+
+
+def _with_advice(known_run, tmp_path, content):
+    log_dir = tmp_path / "logs"
+    shutil.copytree(known_run["log_dir"], log_dir)
+    (log_dir / "memguard" / "advise.json").write_text(
+        content if isinstance(content, str) else json.dumps(content)
+    )
+    return log_dir
+
+
+def test_read_advice_is_none_without_a_file(known_run):
+    assert advice_lib.read_advice(known_run["log_dir"]) is None
+
+
+def test_advice_is_read_and_printed_as_a_table_under_the_run(known_run, tmp_path):
+    log_dir = _with_advice(known_run, tmp_path, ADVICE)
+    advice = advice_lib.read_advice(log_dir)
+    # The run directory itself is accepted too.
+    assert advice_lib.read_advice(log_dir / "memguard") == advice
+    assert advice.path == str(log_dir / "memguard" / "advise.json")
+    assert (advice.model, advice.batch_size, advice.device) == (
+        "path/to/model.keras", 64, "CPU:0"
+    )
+    assert (advice.limit_mib, advice.fixed_mib, advice.per_sample_mib) == (600.0, 12.3, 0.8)
+    assert advice.largest_batch_size == 512
+    assert [(v.name, v.status) for v in advice.variants] == [
+        ("float32", "ok"), ("mixed_float16", "ok"), ("remat", "unsupported"),
+        ("jit_compile", "failed"),
+    ]
+    text = keras_memguard.report.make_report(log_dir)
+    summary, _, table = text.partition(
+        "  advice (advise.json): model path/to/model.keras, batch 64 on CPU:0 "
+        "(limit 600.0 MiB)\n"
+    )
+    assert summary.startswith("Run ") and "highest peak:" in summary, text
+    assert table.splitlines() == [
+        "    fixed 12.3 MiB; per sample 0.800 MiB; largest batch 512",
+        "    variant        largest batch  peak MiB  step ms     saving vs float32",
+        "    float32                  512     310.2    123.0    peak +0%, time +0%",
+        "    mixed_float16            880     180.4     98.4  peak +42%, time +20%",
+        "    remat          unsupported: layer 'multi_head_attention' does not take "
+        "the previous layer's output",
+        "    jit_compile    failed: XlaRuntimeError: boom",
+    ]
+
+
+def test_advice_extra_keys_are_ignored_and_micro_batches_shown(known_run, tmp_path):
+    data = json.loads(json.dumps(ADVICE))
+    data["seconds"] = 180.3
+    for variant, k in zip(data["variants"], (1, 2, None, None)):
+        variant.update({"micro_batches": k, "how": "rebuilt"})
+    text = keras_memguard.report.make_report(_with_advice(known_run, tmp_path, data))
+    assert re.search(r"saving vs float32  micro-batches\n", text), text
+    assert re.search(r"mixed_float16 .* peak \+42%, time \+20%              2\n", text), text
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ("{not json", "Expecting property name"),
+        ("[1, 2]", "a JSON list, not an object"),
+        ({**ADVICE, "format": "other"}, "`format` must be 'keras_memguard.advise'"),
+        ({**ADVICE, "version": 2}, "`version` 2 is not one this keras_memguard reads"),
+        ({**ADVICE, "variants": {"float32": {}}}, "`variants` must be a list"),
+        ({**ADVICE, "batch_size": "64"}, "`batch_size` must be an integer or null"),
+        ({**ADVICE, "variants": [{"name": "float32", "status": "done"}]},
+         "variants[0]: `status` must be one of ok, unsupported, failed, not 'done'"),
+        ({**ADVICE, "variants": [{**ADVICE["variants"][0], "peak_mib": "big"}]},
+         "variants[0]: `peak_mib` must be a number or null"),
+    ],
+)
+def test_a_malformed_advice_file_warns_and_the_report_goes_on(
+    known_run, tmp_path, capsys, content, why
+):
+    log_dir = _with_advice(known_run, tmp_path, content)
+    path = log_dir / "memguard" / "advise.json"
+    with pytest.warns(UserWarning) as caught:
+        assert advice_lib.read_advice(log_dir) is None
+    (warning,) = caught
+    message = str(warning.message)
+    assert message.startswith(f"{path} is left out of the report: it is not a readable "
+                              "keras-memguard advise result (")
+    assert why in message
+    # The command: the summary, and the warning as one line on stderr.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the command reports it itself
+        assert cli_main.main(["report", str(log_dir)]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Run ") and "advice (" not in out
+    assert err == f"keras-memguard report: warning: {message}\n"
+
+
+def test_a_log_dir_with_only_advice_is_reported(tmp_path, capsys):
+    (tmp_path / "memguard").mkdir()
+    (tmp_path / "memguard" / "advise.json").write_text(json.dumps(ADVICE))
+    assert cli_main.main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "advice (advise.json): model path/to/model.keras, batch 64 on CPU:0"
+    )
+    assert "  mixed_float16            880     180.4     98.4" in out
+    # Nothing to draw: one clear line.
+    assert cli_main.main(["report", str(tmp_path), "-o", str(tmp_path / "x.png")]) == 1
+    assert "holds an advice file but no keras_memguard event files" in (
+        capsys.readouterr().err
+    )
 
 
 # --- Figures from scripted series (pure) ---
@@ -408,8 +549,13 @@ def test_console_script_is_declared():
     config.read(pathlib.Path(__file__).resolve().parents[1] / "setup.cfg")
     scripts = config["options.entry_points"]["console_scripts"].strip().splitlines()
     assert "keras-memguard = keras_memguard.__main__:main" in scripts
-    assert "matplotlib" in config["options.extras_require"]["report"].split()
-    assert "matplotlib" in config["options.extras_require"]["test"].split()
+    extras = config["options.extras_require"]
+    assert "matplotlib" in extras["report"].split()
+    assert "matplotlib" in extras["test"].split()
+    # The README's first command installs the cpu extra and the quickstart
+    # then suggests `keras-memguard report ... --output report.png`.
+    assert "matplotlib" in extras["cpu"].split()
+    assert "matplotlib" in extras["gpu"].split()
     # Where the package is installed with this entry point, it loads main.
     for entry in importlib.metadata.entry_points(group="console_scripts"):
         if entry.name == "keras-memguard":
@@ -417,16 +563,27 @@ def test_console_script_is_declared():
 
 
 @pytest.mark.slow
-def test_python_dash_m_report(known_run, tmp_path):
+def test_python_dash_m_report_prints_the_summary_first_without_tensorflow_noise(
+    known_run, tmp_path
+):
     output = tmp_path / "run.png"
+    # As a user's shell has it: TensorFlow's defaults, which print its
+    # start-up lines (oneDNN, CPU features) on import.
+    env = {
+        key: value for key, value in os.environ.items()
+        if key not in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS")
+    }
     run = subprocess.run(
         [sys.executable, "-m", "keras_memguard", "report", str(known_run["log_dir"]),
          "--output", str(output)],
-        capture_output=True, text=True, timeout=300,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+        env=env,
     )
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert run.stdout.startswith(f"Run {known_run['log_dir'] / 'memguard'}\n"), run.stdout
     assert "highest peak:" in run.stdout and "at step 3" in run.stdout
-    assert png_size(output.read_bytes()) == (1200, 600)
+    assert run.stdout.endswith(f"Wrote {output}\n"), run.stdout
+    assert png_size(output.read_bytes()) == (1200, 750)
 
 
 # --- A run with real out-of-memory recoveries (a capped process) ---
@@ -467,7 +624,7 @@ def test_recoveries_and_their_time_under_a_real_cap(tmp_path):
     ), text
     output = tmp_path / "run.png"
     keras_memguard.report.make_report(log_dir, output=output)
-    assert png_size(output.read_bytes()) == (1200, 600)
+    assert png_size(output.read_bytes()) == (1200, 750)
     # Each recovery is explained: the failed allocation, the allocator's
     # figures, and the live tensors named by layer. The batch of 256 fails
     # in the second convolution, holding the first one's output: the

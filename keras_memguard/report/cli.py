@@ -3,8 +3,10 @@
 import argparse
 import os
 import sys
+import warnings
 
 from keras_memguard.errors import MissingExtraError
+from keras_memguard.report import advice as advice_lib
 from keras_memguard.report import events
 from keras_memguard.report import summary as summary_lib
 
@@ -13,6 +15,11 @@ OUTPUT_KINDS = (".png", ".html")
 
 def make_report(log_dir, output=None):
     """Summarises the runs under `log_dir` and, with `output`, draws them.
+
+    Under each run's summary comes the result of `keras-memguard advise`
+    where the run directory holds one (`<log_dir>/memguard/advise.json`);
+    a log directory that holds only that is reported too. A malformed
+    advice file is left out with a `UserWarning`.
 
     Args:
         log_dir: The `log_dir` given to `MemoryMonitor` or `MemoryGuard`
@@ -26,8 +33,8 @@ def make_report(log_dir, output=None):
         The summary text.
 
     Raises:
-        FileNotFoundError: If `log_dir` does not exist or holds no
-            keras_memguard event files.
+        FileNotFoundError: If `log_dir` does not exist, or holds neither
+            keras_memguard event files nor an advice file.
         ValueError: If `output` does not end in `.png` or `.html`.
         MissingExtraError: If `output` is given and matplotlib is not
             installed.
@@ -53,13 +60,28 @@ def make_report(log_dir, output=None):
         raise FileNotFoundError(f"LOG_DIR {log_dir!r} is not a directory.")
     runs = events.load_runs(log_dir)
     if not runs:
+        advice = advice_lib.read_advice(log_dir)
+        if advice is not None:
+            if output is not None:
+                raise FileNotFoundError(
+                    f"Nothing to draw under {log_dir!r}: it holds an advice "
+                    "file but no keras_memguard event files. HINT: leave out "
+                    "--output, or pass the log_dir given to MemoryMonitor."
+                )
+            return advice_lib.format_advice(advice, indent="")
         raise FileNotFoundError(
             f"No keras_memguard event files under {log_dir!r} (looked for "
             f"*/memguard/events.out.tfevents.*). HINT: pass the log_dir given "
             "to MemoryMonitor or MemoryGuard."
         )
     summaries = [summary_lib.summarize(run) for run in runs]
-    text = "\n".join(summary_lib.format_summary(s) for s in summaries)
+    parts = []
+    for run, summary in zip(runs, summaries):
+        parts.append(summary_lib.format_summary(summary))
+        advice = advice_lib.read_advice(run.path)
+        if advice is not None:
+            parts.append(advice_lib.format_advice(advice))
+    text = "\n".join(parts)
     if output is not None:
         from keras_memguard.report import plot
 
@@ -86,21 +108,37 @@ def add_arguments(parser):
         "-o",
         metavar="FILE",
         help="draw the run to FILE.png, or FILE.html (drawing and summary "
-        'in one page); needs matplotlib: pip install "keras-memguard[report]"',
+        "in one page); needs matplotlib, which the cpu, gpu and report "
+        "extras install",
     )
 
 
 def run(args, prog="keras-memguard report"):
     """Runs the command on parsed arguments; returns the exit status."""
-    try:
-        text = make_report(args.log_dir, args.output)
-    except (FileNotFoundError, ValueError, MissingExtraError) as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        try:
+            text = make_report(args.log_dir, args.output)
+        except (FileNotFoundError, ValueError, MissingExtraError) as error:
+            _print_warnings(caught, prog)
+            print(f"{prog}: error: {error}", file=sys.stderr)
+            return 1
+    _print_warnings(caught, prog)
     print(text)
     if args.output is not None:
         print(f"Wrote {args.output}")
     return 0
+
+
+def _print_warnings(caught, prog):
+    # One line each, as the errors are, not Python's file:line format.
+    for warning in caught:
+        if issubclass(warning.category, UserWarning):
+            print(f"{prog}: warning: {warning.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
 
 
 def main(argv=None):
