@@ -16,7 +16,10 @@ turn the step's logs into Python floats every batch.
 
 Also measured, per call in microseconds (median of repeats, the variants
 interleaved and rotated each repeat): one `get_memory_info`, one
-`reset_memory_stats`, one `AllocatorProbe.sample()`; the monitor's
+`reset_memory_stats`, one `AllocatorProbe.sample()`, one reading of the
+process's resident memory (`HostMemoryProbe.rss_bytes()`, an `os.pread` of
+`/proc/self/statm`) and, to compare, `psutil`'s (where it is installed)
+and a fresh open-read-close of the file; the monitor's
 `on_train_batch_end` called directly with a logs dict; and the whole
 per-batch path `fit` runs (the model's logs carrier calling the callbacks'
 contributions after the train function, then `on_train_batch_end`) for the
@@ -65,6 +68,7 @@ from keras_memguard.callbacks import logs_carrier  # noqa: E402
 from keras_memguard.callbacks.guard import MemoryGuard  # noqa: E402
 from keras_memguard.callbacks.monitor import MemoryMonitor  # noqa: E402
 from keras_memguard.callbacks.sampling import shared_reader  # noqa: E402
+from keras_memguard.probes.host import HostMemoryProbe  # noqa: E402
 from keras_memguard.probes.tf_allocator import AllocatorProbe  # noqa: E402
 
 BATCH = 256
@@ -414,11 +418,26 @@ def main():
         ),
     }
     number, repeat = 5000, 9
+    host = HostMemoryProbe()
+
+    def statm_open_read():
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1])
+
     calls = {
         "info": (lambda: get_info("CPU:0"), None),
         "reset": (lambda: reset_stats("CPU:0"), None),
         "sample": (probe.sample, None),
+        "rss": (host.rss_bytes, None),
+        "rss open": (statm_open_read, None),
     }
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        process = psutil.Process()
+        calls["rss psutil"] = (lambda: process.memory_info().rss, None)
     calls.update({name: (call, after) for name, (call, after, _) in setups.items()})
     for call, _ in calls.values():  # warm-up: writers, tags, first reads
         for _ in range(100):
@@ -435,6 +454,11 @@ def main():
         ("`tf.config.experimental.get_memory_info('CPU:0')`", "info"),
         ("`tf.config.experimental.reset_memory_stats('CPU:0')`", "reset"),
         ("`AllocatorProbe.sample()` (read + reset, CPU:0)", "sample"),
+        ("`HostMemoryProbe.rss_bytes()` (os.pread of the open /proc/self/statm)",
+         "rss"),
+        ("the same by open + read + close of /proc/self/statm (not used)",
+         "rss open"),
+        ("`psutil.Process().memory_info().rss` (not used)", "rss psutil"),
         ("`MemoryMonitor.on_train_batch_end`, direct (log_dir set)",
          "direct, log_dir set"),
         ("`MemoryMonitor.on_train_batch_end`, direct (log_dir=None)",
@@ -445,6 +469,8 @@ def main():
         ("the same, with the guard's train function planning (stand-in step)",
          "fit path, monitor + guard, planning"),
     ):
+        if name not in wall_us:
+            continue
         us = wall_us[name]
         share = "-" if step_ms is None else f"{us / (step_ms * 1e3):.2%}"
         print(f"| {label} | {us:.2f} | {cpu_us[name]:.2f} | {share} |")
