@@ -4,9 +4,9 @@
 signature and the result of `JAXTrainer.train_step(state, data)`: it is pure,
 takes the state tuple `(trainable, non_trainable, optimizer, metrics
 variables)` and returns `(logs, state)`. It splits the batch into `k`
-micro-batches whose sizes differ by at most one (the first `n % k` are one
-larger, as on TensorFlow), runs the forward and backward pass of each in a
-`jax.lax.scan` (one loop per micro-batch size, so XLA keeps one micro-batch's
+micro-batches of `n // k` samples and, when `n % k` samples are left over, a
+last smaller one (`micro_batch_segments`), runs the forward and backward
+pass of each in a `jax.lax.scan` (a loop, so XLA keeps one micro-batch's
 activations alive at a time), sums the gradients weighted by each
 micro-batch's share of the samples, and applies them once. The loss tracker
 and the compiled metrics are updated once, on the whole batch's predictions
@@ -62,6 +62,14 @@ def validate_micro_batches(micro_batches):
 def micro_batch_segments(batch_size, micro_batches):
     """How a batch is cut: runs of micro-batches of one size.
 
+    `k` micro-batches of `n // k` samples, then the `n % k` left over (fewer
+    than `k`) as one last, smaller micro-batch. XLA gives a loop's
+    temporaries and those of the step around it separate buffers, so the
+    last micro-batch's memory adds to the loop's: keeping it below `k`
+    samples keeps that small (sizes that differ by one, as on TensorFlow,
+    would run two loops of nearly the batch's size over `k` each and need
+    about twice the memory).
+
     Args:
         batch_size: Samples in the batch, an `int` >= 1.
         micro_batches: The number of micro-batches, an `int` >= 1; a batch
@@ -69,20 +77,18 @@ def micro_batch_segments(batch_size, micro_batches):
 
     Returns:
         A tuple of `(start, count, size)`: `count` micro-batches of `size`
-        samples each, starting at row `start`; the larger ones first.
+        samples each, starting at row `start`.
 
     Example:
 
     >>> micro_batch_segments(10, 4)
-    ((0, 2, 3), (6, 2, 2))
+    ((0, 4, 2), (8, 1, 2))
     """
     k = min(validate_micro_batches(micro_batches), batch_size)
-    size, larger = divmod(batch_size, k)
-    segments = []
-    if larger:
-        segments.append((0, larger, size + 1))
-    if k - larger:
-        segments.append((larger * (size + 1), k - larger, size))
+    size, left_over = divmod(batch_size, k)
+    segments = [(0, k, size)]
+    if left_over:
+        segments.append((k * size, 1, left_over))
     return tuple(segments)
 
 

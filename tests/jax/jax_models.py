@@ -128,9 +128,9 @@ def make_wide_mlp():
     model = keras.Sequential(
         [
             keras.Input((64,)),
-            keras.layers.Dense(1024, activation="tanh"),
-            keras.layers.Dense(1024, activation="tanh"),
-            keras.layers.Dense(1024, activation="tanh"),
+            keras.layers.Dense(256, activation="tanh"),
+            keras.layers.Dense(256, activation="tanh"),
+            keras.layers.Dense(256, activation="tanh"),
             keras.layers.Dense(4),
         ]
     )
@@ -138,7 +138,7 @@ def make_wide_mlp():
     return model
 
 
-def wide_data(n=512, seed=5):
+def wide_data(n=4096, seed=5):
     rng = np.random.default_rng(seed)
     return rng.normal(size=(n, 64)).astype("float32"), rng.normal(size=(n, 4)).astype("float32")
 

@@ -26,9 +26,9 @@ TOLERANCE = 1e-5
 BATCH_NORM_TOLERANCE = 0.05
 
 
-def test_segments_match_the_tensorflow_split():
-    assert micro_batch_segments(10, 4) == ((0, 2, 3), (6, 2, 2))
-    assert micro_batch_segments(32, 3) == ((0, 2, 11), (22, 1, 10))
+def test_segments_are_k_equal_parts_and_a_smaller_last_one():
+    assert micro_batch_segments(10, 4) == ((0, 4, 2), (8, 1, 2))
+    assert micro_batch_segments(32, 3) == ((0, 3, 10), (30, 1, 2))
     assert micro_batch_segments(8, 4) == ((0, 4, 2),)
     assert micro_batch_segments(3, 8) == ((0, 3, 1),)  # one sample each
     with pytest.raises(ValueError, match="micro_batches"):
