@@ -1,0 +1,35 @@
+"""The JAX path imports no TensorFlow, even where TensorFlow is installed."""
+
+import subprocess
+import sys
+
+SCRIPT = """
+import os, sys
+os.environ["KERAS_BACKEND"] = "jax"
+import numpy as np
+import keras
+import keras_memguard
+from keras_memguard.jax_training import ReplayingTrainFunction, StepCache, plan_micro_batches
+from keras_memguard.probes.jax_memory import JaxMemoryProbe
+from keras_memguard import decider
+
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+model.compile(optimizer="adam", loss="mse")
+cache = StepCache(model)
+plan = lambda state, data: plan_micro_batches(
+    lambda k: cache.memory(k, state, data), 16, 2**30).micro_batches
+model.train_function = ReplayingTrainFunction(model, cache=cache, plan=plan)
+probe = JaxMemoryProbe()
+probe.reset()
+model.fit(np.ones((64, 4), "float32"), np.ones((64, 2), "float32"), batch_size=16, verbose=0)
+probe.sample()
+print("tensorflow" in sys.modules)
+"""
+
+
+def test_a_jax_fit_with_the_core_imports_no_tensorflow():
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "False", result.stdout

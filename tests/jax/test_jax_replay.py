@@ -1,0 +1,164 @@
+"""Replaying a batch after XLA's out-of-memory error, on an untouched state.
+
+JAX's CPU backend does not run out of memory at a training step's sizes, so
+the compiled step is made to raise JAX's own error type with XLA's
+`RESOURCE_EXHAUSTED` code: the only mock, at the narrowest seam.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import keras
+
+from jax_models import make_mlp
+from jax_models import max_weight_difference
+from jax_models import mlp_data
+from jax_models import twins
+from keras_memguard.errors import MicroBatchTooLargeError
+from keras_memguard.jax_training import ReplayingTrainFunction
+from keras_memguard.jax_training import StepCache
+from keras_memguard.jax_training import is_out_of_memory
+from keras_memguard.jax_training.compat import jax_state
+from keras_memguard.jax_training.replay import failed_allocation_bytes
+
+RESOURCE_EXHAUSTED = 8
+
+
+def out_of_memory():
+    return jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Out of memory allocating 123456 bytes.", RESOURCE_EXHAUSTED
+    )
+
+
+class FailingAt(StepCache):
+    """A cache whose compiled steps at the counts given raise XLA's OOM."""
+
+    def __init__(self, model, failing, calls):
+        super().__init__(model)
+        self.failing = failing
+        self.calls = calls
+
+    def compiled(self, micro_batches, state, data):
+        compiled = super().compiled(micro_batches, state, data)
+
+        def run(state, data):
+            self.calls.append((micro_batches, jax.tree_util.tree_map(np.array, state)))
+            if micro_batches in self.failing:
+                raise out_of_memory()
+            return compiled(state, data)
+
+        return run
+
+
+def test_out_of_memory_is_told_by_type_and_status_code():
+    assert is_out_of_memory(out_of_memory())
+    # The same words under another status, or another type: not OOM.
+    assert not is_out_of_memory(
+        jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: looks like it", 13)
+    )
+    assert not is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory"))
+    assert failed_allocation_bytes(out_of_memory()) == 123456
+
+
+def test_a_real_xla_out_of_memory_error_is_recognized():
+    # XLA's CPU client refuses an allocation larger than the address space.
+    with pytest.raises(jax.errors.JaxRuntimeError) as raised:
+        jax.numpy.zeros((2**62,), "int8").block_until_ready()
+    assert is_out_of_memory(raised.value)
+
+
+def test_a_failed_step_is_replayed_at_a_larger_count_on_the_untouched_state():
+    plain, model = twins(make_mlp)
+    x, y = mlp_data()
+    fit = dict(batch_size=32, epochs=1, shuffle=False, verbose=0)
+    plain.train_function = ReplayingTrainFunction(plain, micro_batches=2)
+    plain.fit(x, y, **fit)
+
+    calls = []
+    failures = []
+
+    def on_out_of_memory(failure):
+        failures.append(failure)
+        return 2 * failure.micro_batches
+
+    function = ReplayingTrainFunction(
+        model, cache=FailingAt(model, {1}, calls), on_out_of_memory=on_out_of_memory
+    )
+    model.train_function = function
+    history = model.fit(x, y, **fit)
+
+    # The first batch failed at 1 and ran at 2; the rest ran at 2.
+    assert [k for k, _ in calls[:3]] == [1, 2, 2]
+    assert len(failures) == 1 and failures[0].micro_batches == 1
+    assert failures[0].batch_size == 32 and failures[0].allocation_bytes == 123456
+    assert function.replays == 1 and function.micro_batches == 2
+    # The replay got the very state the failed call got: weights, optimizer
+    # variables (iterations 0) and metrics (all zero) untouched.
+    failed_state, replayed_state = calls[0][1], calls[1][1]
+    for failed, replayed in zip(
+        jax.tree_util.tree_leaves(failed_state), jax.tree_util.tree_leaves(replayed_state)
+    ):
+        np.testing.assert_array_equal(failed, replayed)
+    # And training went on as at 2 micro-batches from the start.
+    assert max_weight_difference(plain, model) < 1e-6
+    assert model.optimizer.iterations.numpy() == 4
+    assert len(history.history["loss"]) == 1
+
+
+def test_the_state_survives_a_failed_call_and_metrics_stay_unchanged():
+    keras.utils.set_random_seed(0)
+    model = make_mlp()
+    x, y = mlp_data()
+    model.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
+    state = jax_state(model)
+    before = jax.tree_util.tree_map(np.array, state)
+    calls = []
+    function = ReplayingTrainFunction(
+        model,
+        cache=FailingAt(model, {1, 2}, calls),
+        on_out_of_memory=lambda failure: failure.micro_batches + 1,
+    )
+    logs, new_state = function.run(state, (x[:32], y[:32]))
+
+    assert [k for k, _ in calls] == [1, 2, 3]
+    # Nothing donated: the arrays passed in are alive and unchanged.
+    for old, now in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(state)):
+        np.testing.assert_array_equal(old, np.asarray(now))
+    trainable, _, _, metrics = new_state
+    assert not np.allclose(np.asarray(trainable[0]), before[0][0])
+    # Only the step that completed counted the batch, once, in the loss
+    # tracker: 32 samples more than after the first fit's one batch.
+    paths = [v.path for v in model.metrics_variables]
+    count = next(i for i, p in enumerate(paths) if "loss" in p and p.endswith("count"))
+    assert float(before[3][count]) == 32
+    assert float(metrics[count]) == 64
+
+
+def test_one_sample_per_micro_batch_out_of_memory_raises():
+    keras.utils.set_random_seed(0)
+    model = make_mlp()
+    x, y = mlp_data()
+    model.fit(x[:4], y[:4], batch_size=4, epochs=1, verbose=0)
+    function = ReplayingTrainFunction(model, cache=FailingAt(model, {1, 2, 4}, []))
+    with pytest.raises(MicroBatchTooLargeError, match="one sample"):
+        function.run(jax_state(model), (x[:4], y[:4]))
+
+
+def test_other_errors_pass_through_untouched():
+    keras.utils.set_random_seed(0)
+    model = make_mlp()
+    x, y = mlp_data()
+    model.fit(x[:4], y[:4], batch_size=4, epochs=1, verbose=0)
+
+    class Broken(StepCache):
+        def compiled(self, micro_batches, state, data):
+            def run(state, data):
+                raise jax.errors.JaxRuntimeError("INTERNAL: something else", 13)
+
+            return run
+
+    function = ReplayingTrainFunction(model, cache=Broken(model))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        function.run(jax_state(model), (x[:4], y[:4]))
+    assert function.replays == 0

@@ -1,0 +1,39 @@
+"""What the JAX core cannot guard is refused before `fit`, naming it."""
+
+import keras
+import pytest
+
+from jax_models import make_mlp
+from keras_memguard.errors import UnsupportedTrainingSetupError
+from keras_memguard.jax_training import check_supported
+
+
+def test_a_plain_model_is_supported():
+    check_supported(make_mlp())
+
+
+def test_data_parallel_is_refused_naming_it():
+    devices = keras.distribution.list_devices()
+    assert len(devices) == 2  # tests/jax/conftest.py
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    try:
+        model = make_mlp()
+        with pytest.raises(UnsupportedTrainingSetupError, match="DataParallel over 2 devices"):
+            check_supported(model)
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def test_an_own_train_step_and_eager_runs_are_refused():
+    class Own(keras.Sequential):
+        def train_step(self, state, data):
+            return super().train_step(state, data)
+
+    model = Own([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(UnsupportedTrainingSetupError, match="replaces `train_step`"):
+        check_supported(model)
+    model = make_mlp()
+    model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+    with pytest.raises(UnsupportedTrainingSetupError, match="run_eagerly=True"):
+        check_supported(model)
