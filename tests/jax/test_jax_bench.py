@@ -1,0 +1,23 @@
+"""A short run of the JAX benchmark script (bench/jax/)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "jax" / "bench_jax_plan.py"
+
+
+def test_bench_jax_plan_smoke_run():
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke"],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, KERAS_BACKEND="jax"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert "jax" in rows[0]
+    measured = [r for r in rows if "compile_s" in r]
+    assert len(measured) == 6 and all(r["need_mib"] > 0 for r in measured)
+    assert any("error_percent" in r for r in rows)
