@@ -11,7 +11,7 @@ import os
 SUITE_MEMORY_LIMIT_MIB = 8192
 
 # The JAX backend's tests run in a process of their own (KERAS_BACKEND=jax).
-collect_ignore = [] if os.environ.get("KERAS_BACKEND") == "jax" else ["jax"]
+collect_ignore = [] if os.environ.get("KERAS_BACKEND") == "jax" else ["jax_backend"]
 
 os.environ.update(
     {

@@ -14,7 +14,7 @@ def test_a_plain_model_is_supported():
 
 def test_data_parallel_is_refused_naming_it():
     devices = keras.distribution.list_devices()
-    assert len(devices) == 2  # tests/jax/conftest.py
+    assert len(devices) == 2  # tests/jax_backend/conftest.py
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
     try:
         model = make_mlp()

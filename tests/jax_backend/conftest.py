@@ -1,6 +1,6 @@
 """The JAX backend's tests: a pytest process of their own.
 
-Run as `KERAS_BACKEND=jax python -m pytest tests/jax`; `tests/conftest.py`
+Run as `KERAS_BACKEND=jax python -m pytest tests/jax_backend`; `tests/conftest.py`
 leaves this folder out of the TensorFlow run. Keras reads its backend once,
 at import, so it is set here before any test module imports Keras. Two CPU
 devices (XLA's host platform split) let the tests see several devices.

@@ -30,7 +30,7 @@ def test_cpu_devices_read_none_with_one_info_line(caplog):
         probe.reset()
         samples = probe.sample()
         JaxMemoryProbe().sample()  # a second probe says nothing again
-    assert probe.devices == ("CPU:0", "CPU:1")  # tests/jax/conftest.py: two
+    assert probe.devices == ("CPU:0", "CPU:1")  # tests/jax_backend/conftest.py: two
     assert all(isinstance(s, AllocatorSample) for s in samples)
     assert [s.device for s in samples] == ["cpu0", "cpu1"]
     assert all(s.current_bytes is None and s.peak_bytes is None for s in samples)

@@ -7,7 +7,7 @@ runs), prints one JSON line per (model, batch, k) with the analysis
 then, per model, how well a line fitted to two batch sizes at k=1 predicts
 the need at the others (the analysis against itself, on CPU).
 
-Run: KERAS_BACKEND=jax python bench/jax/bench_jax_plan.py [--smoke]
+Run: KERAS_BACKEND=jax python bench/jax_backend/bench_jax_plan.py [--smoke]
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""A short run of the JAX benchmark script (bench/jax/)."""
+"""A short run of the JAX benchmark script (bench/jax_backend/)."""
 
 import json
 import os
@@ -6,7 +6,7 @@ import pathlib
 import subprocess
 import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "jax" / "bench_jax_plan.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "jax_backend" / "bench_jax_plan.py"
 
 
 def test_bench_jax_plan_smoke_run():
