@@ -148,7 +148,7 @@ class ReplayingTrainFunction:
 
     ```python
     model.compile(optimizer="adam", loss="mse")
-    model.train_function = ReplayingTrainFunction(model, micro_batches=2)
+    functions.set_train_function(model, ReplayingTrainFunction(model, micro_batches=2))
     model.fit(x, y, batch_size=256)
     ```
     """

@@ -14,20 +14,33 @@ the core; most users need only `keras_memguard.MemoryGuard` and
 `keras_memguard.MemGuardMixin`.
 """
 
-from keras_memguard.training.accumulation import AccumulatedGradients
-from keras_memguard.training.accumulation import accumulate_gradients
-from keras_memguard.training.splitting import MicroBatch
-from keras_memguard.training.splitting import split_micro_batches
-from keras_memguard.training.step import has_batch_statistics_layers
-from keras_memguard.training.step import make_step_function
-from keras_memguard.training.step import micro_batch_train_step
+import importlib
 
-__all__ = [
-    "AccumulatedGradients",
-    "MicroBatch",
-    "accumulate_gradients",
-    "has_batch_statistics_layers",
-    "make_step_function",
-    "micro_batch_train_step",
-    "split_micro_batches",
-]
+# Loaded on first use, so that `keras_memguard.training.functions` (the one
+# writer of a model's step functions) imports without TensorFlow.
+_EXPORTS = {
+    "AccumulatedGradients": "keras_memguard.training.accumulation",
+    "MicroBatch": "keras_memguard.training.splitting",
+    "accumulate_gradients": "keras_memguard.training.accumulation",
+    "has_batch_statistics_layers": "keras_memguard.training.step",
+    "make_step_function": "keras_memguard.training.step",
+    "micro_batch_train_step": "keras_memguard.training.step",
+    "split_micro_batches": "keras_memguard.training.splitting",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(
+            f"module 'keras_memguard.training' has no attribute {name!r}"
+        )
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)
