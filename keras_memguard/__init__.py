@@ -1,7 +1,7 @@
 """keras_memguard: keep Keras training alive when GPU memory runs short.
 
 Callbacks (`MemoryMonitor`, `MemoryGuard`) and a `train_step` mixin
-(`MemGuardMixin`) for Keras 3 on the TensorFlow backend.
+(`MemGuardMixin`) for Keras 3 on the TensorFlow and JAX backends.
 
 Public names are loaded on first use, so that `keras_memguard.testing` can
 set TensorFlow's environment before TensorFlow is imported.
@@ -34,11 +34,21 @@ _EXPORTS = {
     "prepare_multi_worker": "keras_memguard.training.multi_worker",
 }
 
+# Names whose implementation depends on Keras' backend, as Keras picks its
+# trainer: the module on that backend, where it is not `_EXPORTS`'.
+_BACKEND_EXPORTS = {
+    ("jax", "MemGuardMixin"): "keras_memguard.jax_training.mixin",
+}
+
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name):
     module = _EXPORTS.get(name)
+    if any(key[1] == name for key in _BACKEND_EXPORTS):
+        import keras
+
+        module = _BACKEND_EXPORTS.get((keras.backend.backend(), name), module)
     if module is None:
         raise AttributeError(f"module 'keras_memguard' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)

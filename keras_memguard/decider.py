@@ -315,6 +315,34 @@ def _is_real(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def validate_micro_batches(micro_batches):
+    """Checks a micro-batch count and returns it.
+
+    Shared by every backend's training core and by the callbacks.
+
+    Args:
+        micro_batches: The number of micro-batches, an `int` >= 1.
+
+    Returns:
+        `micro_batches` as a Python `int` (a count is a trace-time
+        constant and a cache key).
+
+    Raises:
+        ValueError: If `micro_batches` is not an integer >= 1.
+
+    Example:
+
+    >>> validate_micro_batches(4)
+    4
+    """
+    if not _is_int(micro_batches) or micro_batches < 1:
+        raise ValueError(
+            "`micro_batches` must be an integer >= 1. "
+            f"Received: micro_batches={micro_batches!r}"
+        )
+    return int(micro_batches)
+
+
 def make_config(
     threshold=0.9,
     release=None,

@@ -83,11 +83,11 @@ def test_no_other_module_names_a_private_keras_or_tensorflow_name():
         r"symbolic_build|maybe_symbolic_build|make_function|autoconvert_optionals|"
         r"compile_loss|compile_metrics|call_has_training_arg|flatten_layers|"
         r"get_metrics_result_or_logs|learning_rate|in_multi_worker_mode|"
-        r"unbatch|batch)\b"
+        r"update_metrics_variables|get_jax_state|unbatch|batch)\b"
     )
     offenders = []
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "compat.py":
+        if path == PACKAGE / "training" / "compat.py":
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if private.search(line):

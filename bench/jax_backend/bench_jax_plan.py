@@ -22,8 +22,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from keras_memguard.jax_training import StepCache  # noqa: E402
-from keras_memguard.jax_training.compat import jax_state  # noqa: E402
-from keras_memguard.jax_training.compat import symbolic_build  # noqa: E402
+from keras_memguard.training.compat import jax_state  # noqa: E402
+from keras_memguard.training.compat import symbolic_build  # noqa: E402
 from keras_memguard.jax_training.compiled import spec_of  # noqa: E402
 
 

@@ -8,13 +8,13 @@ import keras
 from keras_memguard import decider
 from keras_memguard import oom_explanation
 from keras_memguard import plan_cache
-from keras_memguard.callbacks import agreement
 from keras_memguard.callbacks import inference
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks import messages
 from keras_memguard.callbacks.controller import GuardController
 from keras_memguard.callbacks.sampling import resolve_limits
 from keras_memguard.callbacks.sampling import shared_reader
+from keras_memguard.decider import validate_micro_batches
 from keras_memguard.errors import MemoryLimitUnknownError
 from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.errors import UnsupportedTrainingSetupError
@@ -23,22 +23,29 @@ from keras_memguard.probes.tf_allocator import AllocatorProbe
 from keras_memguard.probes.tf_allocator import cpu_bfc_limit_bytes
 from keras_memguard.sinks import tensorboard as tb
 from keras_memguard.training import compat
-from keras_memguard.training import multi_worker
-from keras_memguard.training import remat
-from keras_memguard.training.eval_replay import ReplayTestFunction
-from keras_memguard.training.mixin import MemGuardMixin
-from keras_memguard.training.predict_replay import ReplayPredictFunction
-from keras_memguard.training.replay import ReplayTrainFunction
-from keras_memguard.training.setup import describe_setup
-from keras_memguard.training.setup import gradient_bytes
-from keras_memguard.training.splitting import validate_micro_batches
-from keras_memguard.training.step import trains_with_own_step
+
+# Each backend's training core, as Keras picks its trainer: the module loads
+# without TensorFlow on the JAX backend.
+BACKEND = keras.backend.backend()
+if BACKEND == "tensorflow":
+    from keras_memguard.callbacks import agreement
+    from keras_memguard.training import multi_worker
+    from keras_memguard.training import remat
+    from keras_memguard.training.eval_replay import ReplayTestFunction
+    from keras_memguard.training.mixin import MemGuardMixin
+    from keras_memguard.training.predict_replay import ReplayPredictFunction
+    from keras_memguard.training.replay import ReplayTrainFunction
+    from keras_memguard.training.setup import describe_setup
+    from keras_memguard.training.setup import gradient_bytes
+    from keras_memguard.training.step import trains_with_own_step
+elif BACKEND == "jax":
+    from keras_memguard.callbacks.jax_run import JaxTrainingRun
 
 logger = logging.getLogger("keras_memguard")
 
 MODES = ("accumulate", "shrink")
-# Opt-in rungs past one sample per micro-batch (see `training/remat.py`).
-RUNGS = (remat.RUNG,)
+# Opt-in rungs past one sample per micro-batch (`training/remat.py`'s RUNG).
+RUNGS = ("remat",)
 MICRO_BATCHES_LOG_KEY = "micro_batches"
 # A batch size no real batch reaches: the bound when the size is unknown.
 _UNKNOWN_BATCH_SIZE = 1 << 30
@@ -290,6 +297,8 @@ class MemoryGuard(keras.callbacks.Callback):
         self._last_batch = -1
         self._dumps = None
         self.last_oom_explanation = None
+        # The `fit` on the JAX backend (a `JaxTrainingRun`), or None.
+        self._jax_run = None
 
     @property
     def state(self):
@@ -340,6 +349,9 @@ class MemoryGuard(keras.callbacks.Callback):
     # Keras' hooks.
 
     def on_train_begin(self, logs=None):
+        if BACKEND != "tensorflow":
+            self._begin_other_backend()
+            return
         model = self.model
         self._check_model(model)
         self._limits = self._resolve_limits()
@@ -406,6 +418,12 @@ class MemoryGuard(keras.callbacks.Callback):
             self._writer.acquire(self)
 
     def on_train_end(self, logs=None):
+        if self._jax_run is not None:
+            self._jax_run.end()
+            self._jax_run = None
+            if self._writer is not None:
+                self._writer.release(self)
+            return
         self._save_plan()
         if self._dumps is not None:
             self._dumps.close()
@@ -434,6 +452,8 @@ class MemoryGuard(keras.callbacks.Callback):
             self._writer.flush()
 
     def on_train_batch_end(self, batch, logs=None):
+        if self._jax_run is not None:
+            return  # the run's carrier contribution did the work
         if self._contributed:
             self._contributed = False
             return
@@ -441,6 +461,9 @@ class MemoryGuard(keras.callbacks.Callback):
         self._after_batch(batch, logs, (id(logs), batch))
 
     def on_test_begin(self, logs=None):
+        if BACKEND != "tensorflow":
+            messages.log_inference_not_guarded(BACKEND, "evaluate")
+            return
         if self._function is None:
             # `model.evaluate(callbacks=[guard])`: planned and sliced.
             self._begin_inference(inference.EVALUATE, ReplayTestFunction)
@@ -461,6 +484,8 @@ class MemoryGuard(keras.callbacks.Callback):
             self._inference.after_batch()
 
     def on_test_end(self, logs=None):
+        if BACKEND != "tensorflow":
+            return
         if self._function is None:
             self._end_inference()
             return
@@ -469,6 +494,9 @@ class MemoryGuard(keras.callbacks.Callback):
         self._reader.reset()
 
     def on_predict_begin(self, logs=None):
+        if BACKEND != "tensorflow":
+            messages.log_inference_not_guarded(BACKEND, "predict")
+            return
         self._begin_inference(inference.PREDICT, ReplayPredictFunction)
 
     def on_predict_batch_end(self, batch, logs=None):
@@ -477,6 +505,21 @@ class MemoryGuard(keras.callbacks.Callback):
 
     def on_predict_end(self, logs=None):
         self._end_inference()
+
+    def _begin_other_backend(self):
+        """Starts a `fit` on a backend other than TensorFlow (JAX)."""
+        if BACKEND != "jax":
+            raise UnsupportedTrainingSetupError(messages.backend_unsupported(BACKEND))
+        self._limits = self._resolve_limits()
+        limit = min(l for l in self._limits if l)
+        if not self._started:
+            self.controller.start(limit, 0, 0)
+            self._started = True
+        self._jax_run = JaxTrainingRun(self, limit, MICRO_BATCHES_LOG_KEY)
+        self._jax_run.begin()
+        self._reader.reset()
+        if self._writer is not None:
+            self._writer.acquire(self)
 
     def _begin_inference(self, kind, function_class):
         """Plans and slices the batches of an `evaluate` or `predict` call."""
@@ -802,7 +845,9 @@ class MemoryGuard(keras.callbacks.Callback):
         probe = self._reader.probe
         limits = resolve_limits(probe, self.memory_limit)
         if not any(limits):
-            raise MemoryLimitUnknownError(messages.memory_limit_unknown(probe.devices))
+            raise MemoryLimitUnknownError(
+                messages.memory_limit_unknown(probe.devices, BACKEND)
+            )
         return limits
 
     def _reserve_regions(self):
@@ -839,6 +884,9 @@ class MemoryGuard(keras.callbacks.Callback):
 
     def _micro_batch_size(self, micro_batches):
         """Samples in one micro-batch of one replica, or `None`."""
+        if self._jax_run is not None:
+            size = self._jax_run.last_batch_size
+            return -(-size // micro_batches) if size else None
         function = self._function
         size = function.last_replica_batch_size if function else None
         return -(-size // micro_batches) if size else None

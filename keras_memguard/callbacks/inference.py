@@ -19,8 +19,6 @@ from keras_memguard import oom_explanation
 from keras_memguard.callbacks import messages
 from keras_memguard.callbacks.controller import GuardController
 from keras_memguard.errors import MicroBatchTooLargeError
-from keras_memguard.training.eval_replay import ReplayTestFunction
-from keras_memguard.training.predict_replay import ReplayPredictFunction
 
 logger = logging.getLogger("keras_memguard")
 
@@ -64,6 +62,11 @@ class InferenceRun:
             0.0,  # Weights and the rest are in use before each batch.
             oom_explanation.layer_output_bytes(model),
         )
+        # TensorFlow's slicing functions, imported here: this module is
+        # also loaded on the JAX backend, where no slices are cut yet.
+        from keras_memguard.training.eval_replay import ReplayTestFunction
+        from keras_memguard.training.predict_replay import ReplayPredictFunction
+
         function_class = ReplayTestFunction if self.kind == EVALUATE else ReplayPredictFunction
         # Reacting too: the memory in use before each batch sizes a replay.
         self.function = function_class(

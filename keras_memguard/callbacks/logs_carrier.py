@@ -60,8 +60,10 @@ class LogsCarrier:
         self._call_list = ()
         self._fit = None
 
-    def __call__(self, iterator):
-        logs = self.inner(iterator)
+    def __call__(self, *args):
+        # TensorFlow: `logs = f(iterator)`; JAX: `logs, state = f(state, iterator)`.
+        result = self.inner(*args)
+        logs = result[0] if isinstance(result, tuple) else result
         self.calls += 1
         if self._call_list and isinstance(logs, dict):
             size = len(logs)
@@ -70,7 +72,7 @@ class LogsCarrier:
             if len(logs) - size != len(self.added_keys):
                 # Dicts keep insertion order: the added keys come last.
                 self.added_keys = tuple(logs)[size:]
-        return logs
+        return result
 
     @property
     def batch_key(self):

@@ -87,6 +87,32 @@ def log_inference_unsupported(kind, replicas):
     )
 
 
+_NOT_GUARDED_SAID = set()
+
+
+def log_inference_not_guarded(backend, kind):
+    """INFO, once per process and kind: `evaluate`/`predict` run unguarded."""
+    if (backend, kind) in _NOT_GUARDED_SAID:
+        return
+    _NOT_GUARDED_SAID.add((backend, kind))
+    logger.info(
+        "%s on the %s backend runs as Keras runs it: MemoryGuard plans and "
+        "slices evaluate and predict on the TensorFlow backend only (for now)",
+        kind,
+        backend,
+    )
+
+
+def backend_unsupported(backend):
+    """`UnsupportedTrainingSetupError`'s text on a backend the guard lacks."""
+    return (
+        f"MemoryGuard trains on Keras' TensorFlow and JAX backends; this is "
+        f"the {backend} backend. Received: KERAS_BACKEND={backend!r}. HINT: "
+        "set KERAS_BACKEND=tensorflow or jax before importing Keras; "
+        "MemoryMonitor logs memory on any backend."
+    )
+
+
 def log_rung(rung, why, segments, segment_layers):
     """INFO: a rung of `escalate` is switched on."""
     logger.info(
@@ -99,11 +125,18 @@ def log_rung(rung, why, segments, segment_layers):
     )
 
 
-def memory_limit_unknown(devices):
+def memory_limit_unknown(devices, backend="tensorflow"):
     """`MemoryLimitUnknownError`'s text."""
-    return (
+    start = (
         "MemoryGuard cannot tell how close training is to running out of "
         f"memory: no memory limit is known for {', '.join(devices)}. "
+    )
+    if backend == "jax":
+        return start + (
+            "JAX reports none on this device (a CPU keeps no memory "
+            "statistics). HINT: pass `memory_limit=<bytes>` to MemoryGuard."
+        )
+    return start + (
         "HINT: pass `memory_limit=<bytes>` to MemoryGuard, configure a "
         "logical device with a `memory_limit` "
         "(tf.config.set_logical_device_configuration), or on the CPU set "

@@ -5,9 +5,9 @@ import math
 import numbers
 import os
 import time
+import warnings
 
 import keras
-import tensorflow as tf
 
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks.sampling import resolve_limits
@@ -189,6 +189,17 @@ class MemoryMonitor(keras.callbacks.Callback):
                 "written to `<log_dir>/plugins/profile`, where TensorBoard's "
                 "Profile tab reads them. Received: log_dir=None"
             )
+        traces = profile_spikes
+        if profile_spikes and keras.backend.backend() != "tensorflow":
+            # Said once, here; the monitor goes on without traces.
+            warnings.warn(
+                "`profile_spikes=True` traces batches with TensorFlow's "
+                f"profiler, which the {keras.backend.backend()} backend does "
+                "not have: no traces are written; memory is still logged. "
+                "Received: profile_spikes=True",
+                stacklevel=2,
+            )
+            traces = False
         self.log_dir = log_dir
         self.update_freq = update_freq
         self.memory_limit = memory_limit
@@ -199,7 +210,7 @@ class MemoryMonitor(keras.callbacks.Callback):
         # None when off: the per-batch paths check only this attribute.
         self._spikes = (
             _SpikeProfiler(log_dir, spike_fraction, max_profiles)
-            if profile_spikes
+            if traces
             else None
         )
         self._every = 1 if update_freq == "batch" else update_freq
@@ -560,6 +571,8 @@ class _SpikeProfiler:
             functions.set_train_function(model, original)
 
     def _trace(self, function, iterator, spike):
+        import tensorflow as tf
+
         if not self._start(spike):
             return function(iterator)
         try:
@@ -577,6 +590,8 @@ class _SpikeProfiler:
         return logs
 
     def _start(self, spike):
+        import tensorflow as tf
+
         last = self._last_written
         if last is not None and int(time.time()) == int(last):
             # Rare (two traces within a second; at most `max_profiles` per
@@ -619,6 +634,8 @@ class _SpikeProfiler:
         return True
 
     def _stop(self, spike, save):
+        import tensorflow as tf
+
         self._running = None
         try:
             tf.profiler.experimental.stop(save=save)
@@ -641,6 +658,8 @@ class _SpikeProfiler:
         )
 
     def _written_files(self):
+        import tensorflow as tf
+
         try:
             return tf.io.gfile.glob(
                 os.path.join(self.plugin_dir, "*", "*.xplane.pb")

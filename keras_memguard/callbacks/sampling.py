@@ -11,12 +11,35 @@ Under a `tf.distribute` strategy the reader's probe reads every replica's
 device (`strategy.extended.worker_devices`), so the callbacks see, log and
 decide on all of them. Logical devices that share one physical allocator
 (several logical CPUs on one host) all report that allocator's numbers.
+
+The probe is the backend's: TensorFlow's allocator (`AllocatorProbe`), or
+`jax.Device.memory_stats()` (`JaxMemoryProbe`) on Keras' JAX backend; both
+give the same samples.
 """
 
 import weakref
 
+import keras
+
 from keras_memguard.probes.tf_allocator import AllocatorProbe
 from keras_memguard.probes.tf_allocator import normalize_device
+
+
+def backend_probe(devices=None, memory_limit=None):
+    """A memory probe for the Keras backend in use.
+
+    Args:
+        devices: The devices to read, or `None` for the probe's default.
+        memory_limit: As the probe takes it, or `None`.
+
+    Returns:
+        A `JaxMemoryProbe` on the JAX backend, else an `AllocatorProbe`.
+    """
+    if keras.backend.backend() == "jax":
+        from keras_memguard.probes.jax_memory import JaxMemoryProbe
+
+        return JaxMemoryProbe(devices=devices, memory_limit=memory_limit)
+    return AllocatorProbe(devices=devices, memory_limit=memory_limit)
 
 _readers = weakref.WeakKeyDictionary()
 
@@ -70,9 +93,9 @@ class SharedAllocatorReader:
 
     @property
     def probe(self):
-        """The `AllocatorProbe` read, made on first use."""
+        """The backend's probe read (`backend_probe`), made on first use."""
         if self._probe is None:
-            self._probe = AllocatorProbe(devices=self.devices)
+            self._probe = backend_probe(devices=self.devices)
             self._probe.limits_given_elsewhere(self._common_limit())
         return self._probe
 

@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 import jax
 
+from keras_memguard.decider import validate_micro_batches
 from keras_memguard.jax_training.step import make_train_step
-from keras_memguard.jax_training.step import validate_micro_batches
 
 
 class StepMemory(NamedTuple):
@@ -167,6 +167,13 @@ class StepCache:
                 self.compiled(micro_batches, state, data), micro_batches
             )
         return self._memory[key]
+
+    def analysed(self, micro_batches, data):
+        """The `StepMemory` already read for a count and batch shapes, or `None`.
+
+        Never compiles: what a step that ran was planned with.
+        """
+        return self._memory.get((micro_batches, shape_key(data)))
 
     def keys(self):
         """The `(micro_batches, shape key)` pairs compiled so far."""

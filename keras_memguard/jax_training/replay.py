@@ -15,10 +15,11 @@ from typing import Optional
 
 import jax
 
+from keras_memguard.decider import validate_micro_batches
 from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.jax_training.compiled import StepCache
 from keras_memguard.jax_training.step import batch_size_of
-from keras_memguard.jax_training.step import validate_micro_batches
+from keras_memguard.training import compat
 
 # absl::StatusCode::kResourceExhausted, the status XLA gives out-of-memory
 # errors.
@@ -163,6 +164,8 @@ class ReplayingTrainFunction:
         # Batches replayed after an out-of-memory error, and the failures.
         self.replays = 0
         self.failures = []
+        # Samples in the batch that ran last, or None before the first.
+        self.last_batch_size = None
 
     def __call__(self, state, iterator):
         logs, state = self.run(state, next(iterator))
@@ -190,7 +193,16 @@ class ReplayingTrainFunction:
             ValueError: If the handler returns a count not larger than the
                 one that failed.
         """
-        batch_size = batch_size_of(data)
+        try:
+            return self._run(state, data)
+        except BaseException:
+            # Whatever ends `fit` here, the state the batch started from
+            # (never donated) goes back into the model's variables.
+            compat.keep_jax_state(self.model, state)
+            raise
+
+    def _run(self, state, data):
+        batch_size = self.last_batch_size = batch_size_of(data)
         if self.plan is not None:
             planned = self.plan(state, data)
             if planned is not None:

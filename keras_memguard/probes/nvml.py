@@ -18,7 +18,8 @@ _DRIVER_HINT = (
     "HINT: NVML ships with the NVIDIA driver; check that `nvidia-smi` works "
     "in this environment (in a container, start it with GPU access, e.g. "
     "`docker run --gpus all`). Without an NVIDIA GPU this is expected and "
-    "only the TensorFlow allocator is watched."
+    "only the backend's own memory readings (TensorFlow's allocator, JAX's "
+    "device statistics) are watched."
 )
 
 

@@ -13,7 +13,8 @@ built and nothing is written there. The event bytes are encoded from those
 rows (the protobuf wire format of TensorBoard's `Event` and `Summary`, with
 each tag's bytes made once; rows of one step become one event) and framed by
 TensorFlow's C++ record writer (`tf.io.TFRecordWriter`, which computes the
-checksums), by a background thread every `FLUSH_SECS` seconds, and by
+checksums; TensorBoard's own where TensorFlow is not loaded, on the JAX
+backend), by a background thread every `FLUSH_SECS` seconds, and by
 `flush()`. Each callback holds the writer from `on_train_begin` to
 `on_train_end` (`acquire` / `release`); the monitor flushes at each epoch
 end and the last holder's release flushes, so the file is complete on disk
@@ -43,6 +44,7 @@ import os
 import re
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -251,8 +253,25 @@ def encode_event(step, wall_time, summary_bytes):
     )
 
 
+def _record_writer(path):
+    """A writer of TFRecord-framed records to `path`.
+
+    TensorFlow's C++ writer where TensorFlow is loaded (the TensorFlow
+    backend) or the path is remote (`gs://...`, which only it opens);
+    otherwise TensorBoard's own (the same framing, checksums computed in
+    Python), so the JAX backend needs no TensorFlow.
+    """
+    if "tensorflow" in sys.modules or "://" in path:
+        import tensorflow as tf
+
+        return tf.io.TFRecordWriter(path)
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    return RecordWriter(open(path, "wb"))
+
+
 class _EventFile:
-    """One event file, framed by TensorFlow's record writer.
+    """One event file, framed as TensorFlow's record writer frames it.
 
     Args:
         path: The event file to create, starting with TensorBoard's version
@@ -260,10 +279,8 @@ class _EventFile:
     """
 
     def __init__(self, path):
-        import tensorflow as tf
-
         self.path = path
-        self._records = tf.io.TFRecordWriter(path)
+        self._records = _record_writer(path)
         self.write(
             event_pb2.Event(
                 wall_time=time.time(), file_version="brain.Event:2"

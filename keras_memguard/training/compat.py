@@ -1,23 +1,28 @@
 """Every private Keras and TensorFlow name keras_memguard uses, in one place.
 
-keras_memguard trains through the same pieces Keras' own TensorFlow train
-step uses (the compiled loss, the loss tracker, the per-replica reduction).
-Those pieces are private and move between releases, so no other module names
-them: they go through the functions here, which detect what the installed
-version has and raise `UnsupportedTrainingSetupError` naming the versions
-when something is missing. Checked against TensorFlow 2.18 with Keras 3.8
-through TensorFlow 2.21 with Keras 3.15 (`PRIVATE_NAMES` lists each name;
-the test suite resolves every one on both ends).
+keras_memguard trains through the same pieces Keras' own train steps use
+(the compiled loss, the loss tracker, the per-replica reduction on
+TensorFlow; the stateless loss and metrics updates on JAX). Those pieces
+are private and move between releases, so no other module names them: they
+go through the functions here, which detect what the installed version has
+and raise `UnsupportedTrainingSetupError` naming the versions when something
+is missing. Checked against TensorFlow 2.18 with Keras 3.8 through
+TensorFlow 2.21 with Keras 3.15 (`PRIVATE_NAMES` lists each name; the test
+suite resolves every one on both ends), and Keras 3.15's JAX trainer
+(`JAX_PRIVATE_NAMES`, resolved by the JAX tests).
+
+TensorFlow is imported on first use, so that the JAX backend's training
+core can use this module where TensorFlow is not installed.
 """
 
 import contextlib
 import functools
 import importlib
+import importlib.metadata
 import types
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras import tree
 
 from keras_memguard.errors import UnsupportedTrainingSetupError
@@ -60,15 +65,46 @@ PRIVATE_NAMES = (
     ("tf.function", "_omit_frequent_tracing_warning"),
 )
 OPTIONAL_NAMES = (("keras.Model", "_autoconvert_optionals"),)
+# The JAX trainer's private names, resolved where JAX is installed.
+JAX_PRIVATE_NAMES = (
+    ("keras.src.backend.jax.trainer", "JAXTrainer"),
+    ("keras.src.backend.jax.trainer.JAXTrainer", "compute_loss_and_updates"),
+    ("keras.src.backend.jax.trainer.JAXTrainer", "_update_metrics_variables"),
+    ("keras.src.backend.jax.trainer.JAXTrainer", "_get_jax_state"),
+    ("keras.src.backend.jax.trainer.JAXTrainer", "jax_state_sync"),
+    ("keras.Model", "_symbolic_build"),
+)
+
+
+class _TensorFlow:
+    """`tensorflow`, imported on first attribute access."""
+
+    def __getattr__(self, name):
+        import tensorflow
+
+        return getattr(tensorflow, name)
+
+
+tf = _TensorFlow()
+
+
+def _tensorflow_version():
+    try:
+        return importlib.metadata.version("tensorflow")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            return importlib.metadata.version("tensorflow-cpu")
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
 
 
 def _missing(name, error=None):
     return UnsupportedTrainingSetupError(
         f"keras_memguard needs the private {name} of Keras/TensorFlow, which "
         f"the installed versions lack (Keras {keras.__version__}, "
-        f"TensorFlow {tf.__version__}). Supported: {SUPPORTED}. HINT: install "
-        "a supported pair, e.g. `pip install 'tensorflow-cpu>=2.18,<2.22' "
-        "'keras>=3.8,<3.16'`."
+        f"TensorFlow {_tensorflow_version()}). Supported: {SUPPORTED}. HINT: "
+        "install a supported pair, e.g. `pip install "
+        "'tensorflow-cpu>=2.18,<2.22' 'keras>=3.8,<3.16'`."
         + (f" ({error})" if error else "")
     )
 
@@ -427,3 +463,77 @@ def with_unknown_batch_size(spec):
         return spec._unbatch()._batch(None)
     except AttributeError:
         raise _missing("`TypeSpec._unbatch`/`_batch`") from None
+
+
+# --- Keras' JAX trainer (`keras/src/backend/jax/trainer.py`). ---
+
+
+def unpack_data(data):
+    """`(x, y, sample_weight)` of a batch as Keras' data adapters yield it."""
+    return keras.utils.unpack_x_y_sample_weight(data)
+
+
+def loss_and_updates_function(model):
+    """The model's stateless `compute_loss_and_updates` (differentiable)."""
+    return _attribute(model, "compute_loss_and_updates")
+
+
+def update_metrics_variables(model, metrics_variables, unscaled_loss, x, y, y_pred,
+                             sample_weight):
+    """Updates the loss tracker and compiled metrics, statelessly.
+
+    Returns:
+        `(logs, metrics_variables)`, as `JAXTrainer.train_step` gets them.
+    """
+    return _attribute(model, "_update_metrics_variables")(
+        metrics_variables, unscaled_loss, x, y, y_pred, sample_weight
+    )
+
+
+def jax_state(model):
+    """The model's state tuple as JAX `fit` passes it to its train function.
+
+    `(trainable, non_trainable, optimizer, metrics variables)`, each a list
+    of arrays, read from the model's variables without purging them.
+    """
+    return _attribute(model, "_get_jax_state")(
+        trainable_variables=True,
+        non_trainable_variables=True,
+        optimizer_variables=True,
+        metrics_variables=True,
+        purge_model_variables=False,
+    )
+
+
+def keep_jax_state(model, state):
+    """Has JAX `fit` write `state` into the model's variables when it ends.
+
+    JAX `fit` takes the variables' values out of the model (purges them)
+    and puts the latest state back only once a step has completed
+    (`_jax_state`, synced in its `finally`). A first step that raises
+    would leave the model without weights: handing it the state the step
+    started from keeps what was trained.
+
+    Args:
+        model: The Keras model in `fit`.
+        state: `(trainable, non_trainable, optimizer, metrics variables)`.
+    """
+    trainable, non_trainable, optimizer, metrics = state
+    model._jax_state = {
+        "trainable_variables": trainable,
+        "non_trainable_variables": non_trainable,
+        "optimizer_variables": optimizer,
+        "metrics_variables": metrics,
+    }
+    model._jax_state_synced = False
+
+
+def overrides_train_step(model):
+    """Whether the model's class replaces the JAX trainer's `train_step`."""
+    trainer = _import_attribute("keras.src.backend.jax.trainer", "JAXTrainer")
+    return type(model).train_step is not trainer.train_step
+
+
+def distribution():
+    """The global `keras.distribution` in force, or `None`."""
+    return keras.distribution.distribution()

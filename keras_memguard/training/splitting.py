@@ -12,36 +12,9 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
+from keras_memguard.decider import validate_micro_batches  # noqa: F401 (re-exported)
+
 MODES = ("accumulate", "shrink")
-
-
-def validate_micro_batches(micro_batches):
-    """Checks a micro-batch count and returns it.
-
-    Args:
-        micro_batches: The number of micro-batches, an `int` >= 1.
-
-    Returns:
-        `micro_batches`, unchanged.
-
-    Raises:
-        ValueError: If `micro_batches` is not an integer >= 1.
-
-    Example:
-
-    >>> validate_micro_batches(4)
-    4
-    """
-    if (
-        isinstance(micro_batches, bool)
-        or not isinstance(micro_batches, int)
-        or micro_batches < 1
-    ):
-        raise ValueError(
-            "`micro_batches` must be an integer >= 1. "
-            f"Received: micro_batches={micro_batches!r}"
-        )
-    return micro_batches
 
 
 def validate_mode(mode):

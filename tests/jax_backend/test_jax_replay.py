@@ -19,7 +19,7 @@ from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.jax_training import ReplayingTrainFunction
 from keras_memguard.jax_training import StepCache
 from keras_memguard.jax_training import is_out_of_memory
-from keras_memguard.jax_training.compat import jax_state
+from keras_memguard.training.compat import jax_state
 from keras_memguard.jax_training.replay import failed_allocation_bytes
 
 RESOURCE_EXHAUSTED = 8

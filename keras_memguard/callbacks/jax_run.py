@@ -1,0 +1,223 @@
+"""`MemoryGuard` on Keras' JAX backend: the glue for one `fit`.
+
+On the JAX backend the guard trains through the JAX training core
+(`keras_memguard.jax_training`): a `ReplayingTrainFunction` put inside the
+model's logs carrier, which, before a batch of a new shape runs, compiles
+the micro-batched step for candidate counts and plans from what XLA says
+each needs (`plan_micro_batches`), and replays a batch that raised XLA's
+out-of-memory error with the count the decider gives (`decider.fail`).
+Batches of a shape already planned reuse the count: no compile, no
+analysis, a dict lookup.
+
+Where the device reports peaks (`JaxMemoryProbe` on a GPU), each batch's
+measured peak beyond what the analysis predicted becomes a margin kept
+free in later plans; a CPU device reports none, and the plan is the
+analysis alone.
+
+Imports JAX and Keras, never TensorFlow.
+"""
+
+import logging
+
+from keras_memguard import decider
+from keras_memguard.callbacks import logs_carrier
+from keras_memguard.callbacks import messages
+from keras_memguard.errors import UnsupportedTrainingSetupError
+from keras_memguard.jax_training.compiled import StepCache
+from keras_memguard.jax_training.compiled import shape_key
+from keras_memguard.jax_training.planning import excess_bytes
+from keras_memguard.jax_training.planning import plan_micro_batches
+from keras_memguard.jax_training.replay import ReplayingTrainFunction
+from keras_memguard.jax_training.step import batch_size_of
+from keras_memguard.jax_training.support import check_supported
+
+logger = logging.getLogger("keras_memguard")
+
+
+def unsupported_options(guard):
+    """The guard's options the JAX backend cannot honour, in words, or `None`."""
+    refused = []
+    if guard.mode != "accumulate":
+        refused.append(f"mode={guard.mode!r}")
+    if guard.escalate:
+        refused.append(f"escalate={guard.escalate!r}")
+    if guard.scale_learning_rate:
+        refused.append("scale_learning_rate=True")
+    if not refused:
+        return None
+    return (
+        "On Keras' JAX backend `MemoryGuard` micro-batches with gradient "
+        "accumulation (mode='accumulate') and plans from the compiled step; "
+        f"not supported there yet: {', '.join(refused)}. HINT: leave these "
+        "options at their defaults, or train on the TensorFlow backend."
+    )
+
+
+class JaxTrainingRun:
+    """One `fit` of a model under `MemoryGuard`, on the JAX backend.
+
+    Args:
+        guard: The `MemoryGuard` (its controller, reader, limit and options).
+        limit_bytes: The device memory limit planned against.
+        log_key: The logs key the micro-batch count is reported under.
+    """
+
+    def __init__(self, guard, limit_bytes, log_key):
+        self.guard = guard
+        self.log_key = log_key
+        self.model = guard.model
+        self.limit_bytes = float(limit_bytes)
+        self.cache = StepCache(self.model)
+        # Shape key -> the count planned (or replayed) for it.
+        self.planned = {}
+        # Bytes beyond the analysis that measured peaks showed (a margin).
+        self.margin_bytes = 0
+        self.function = None
+        self._carrier = None
+        self._previous_inner = None
+        self._before = None
+        self._memory = None
+        self._key = None
+
+    @property
+    def last_batch_size(self):
+        """Samples in the batch that ran last, or `None`."""
+        return self.function.last_batch_size if self.function else None
+
+    def begin(self):
+        """Checks the model and options; installs the replaying function."""
+        model = self.model
+        reason = unsupported_options(self.guard)
+        if reason is not None:
+            raise UnsupportedTrainingSetupError(reason)
+        check_supported(model)
+        guard = self.guard
+        self.function = ReplayingTrainFunction(
+            model,
+            micro_batches=guard.micro_batches,
+            cache=self.cache,
+            plan=self._plan,
+            on_out_of_memory=self._on_out_of_memory,
+        )
+        self._carrier = logs_carrier.attach(model, guard, self._contribute, guard.params)
+        self._previous_inner = self._carrier.inner
+        self._carrier.inner = self.function
+
+    def end(self):
+        """Puts the train function in place before back."""
+        carrier = self._carrier
+        if carrier is not None and carrier.inner is self.function:
+            carrier.inner = self._previous_inner
+        logs_carrier.detach(self.model, self.guard)
+        self._carrier = None
+        self.function = None
+
+    def _plan(self, state, data):
+        """The count for the batch about to run (the function's `plan`)."""
+        reader = self.guard._reader
+        samples = reader.read(self.guard, None)  # resets the peak
+        self._before = _in_use(samples)
+        key = self._key = shape_key(data)
+        k = self.planned.get(key)
+        if k is not None:
+            self._memory = self.cache.analysed(k, data)
+            return k
+        if not self.guard.plan:
+            k = self.guard.micro_batches
+        else:
+            k = self._plan_new_shape(state, data)
+        self.planned[key] = k
+        self._set_count(k)
+        return k
+
+    def _plan_new_shape(self, state, data):
+        batch_size = batch_size_of(data)
+        config = self.guard.config
+        previous = self.guard.micro_batches
+
+        def analyse(k):
+            memory = self.cache.memory(k, state, data)
+            if memory is None:
+                raise _NoAnalysis()
+            return memory
+
+        try:
+            decided = plan_micro_batches(
+                analyse,
+                batch_size,
+                self.limit_bytes,
+                threshold=config.threshold,
+                in_use_bytes=self._before,
+                margin_bytes=self.margin_bytes,
+                min_micro_batches=config.min_micro_batches,
+                max_micro_batches=config.max_micro_batches,
+            )
+        except _NoAnalysis:
+            logger.info(
+                "the compiled step gives no memory analysis on this device: "
+                "batch %d runs with %s, and an out-of-memory error is replayed",
+                batch_size,
+                decider.micro_batches_text(previous),
+            )
+            return min(previous, batch_size)
+        self._memory = decided.memory
+        # Once per batch shape: a compile-time decision worth a line.
+        messages.log_plan(
+            decider.Plan(decided.micro_batches, previous, decided.predicted_usage, decided.reason),
+            batch_size,
+        )
+        return decided.micro_batches
+
+    def _set_count(self, k):
+        controller = self.guard.controller
+        if controller.state.micro_batches != k:
+            controller.set_micro_batches(k)
+
+    def _on_out_of_memory(self, failure):
+        """The count to replay a batch with, from the decider, or raises."""
+        batch_size = failure.batch_size
+        decided = self.guard.controller.fail(
+            decider.Failure(
+                batch_size,
+                failure.micro_batches,
+                1.0,
+                self._before,
+                self.limit_bytes,
+                allocation_bytes=failure.allocation_bytes,
+            )
+        )
+        if decided.cannot_split is not None:
+            raise self.guard._cannot_split_error(
+                decided, batch_size, failure.micro_batches
+            ) from failure.error
+        k = min(decided.micro_batches, batch_size)
+        messages.log_replay(batch_size, failure.micro_batches, k, str(-(-batch_size // k)))
+        # Later batches of this shape start from the count that replayed it.
+        self.planned[self._key] = k
+        self._memory = None
+        self._set_count(k)
+        return k
+
+    def _contribute(self, logs):
+        """After each train function call: margin, logs and scalars."""
+        guard = self.guard
+        samples = guard._reader.read(guard, self._carrier.batch_key)
+        peak = max(
+            (s.peak_bytes for s in samples if s.peak_bytes is not None), default=None
+        )
+        excess = excess_bytes(self._memory, self._before, peak)
+        if excess is not None and excess > self.margin_bytes:
+            self.margin_bytes = excess
+        guard._step += 1
+        logs[self.log_key] = guard.micro_batches
+        if guard._writer is not None:
+            guard._write_scalars()
+
+
+class _NoAnalysis(Exception):
+    """The backend compiled the step but gave no memory analysis."""
+
+
+def _in_use(samples):
+    in_use = [s.current_bytes for s in samples if s.current_bytes is not None]
+    return float(max(in_use)) if in_use else None

@@ -1,0 +1,249 @@
+"""The public API on Keras' JAX backend: MemoryMonitor, MemoryGuard, MemGuardMixin.
+
+Real `fit` on JAX's CPU backend. The CPU device keeps no memory statistics,
+so the guard plans against `memory_limit` from the compiled step's memory
+analysis; an out-of-memory error is made at the one seam JAX's CPU backend
+cannot reach at these sizes (the compiled step raises XLA's own error
+type), as in `test_jax_replay.py`.
+"""
+
+import logging
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import keras
+
+import keras_memguard
+from jax_models import make_mlp
+from jax_models import make_wide_mlp
+from jax_models import max_weight_difference
+from jax_models import mlp_data
+from jax_models import twins
+from jax_models import wide_data
+from keras_memguard.errors import MemoryLimitUnknownError
+from keras_memguard.errors import MicroBatchTooLargeError
+from keras_memguard.errors import UnsupportedTrainingSetupError
+from keras_memguard.jax_training import StepCache
+from keras_memguard.jax_training.compiled import spec_of
+from keras_memguard.training.compat import jax_state
+from keras_memguard.training.compat import symbolic_build
+from tensorboard.backend.event_processing import event_accumulator
+
+BATCH = 512
+FIT = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+
+
+def scalars(run_dir):
+    accumulator = event_accumulator.EventAccumulator(
+        run_dir, size_guidance={event_accumulator.SCALARS: 0}
+    )
+    accumulator.Reload()
+    return {tag: [e.value for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def whole_batch_need(build, x, y):
+    """What the compiled step of the whole batch needs (k=1), analysed."""
+    model = build()
+    batch = spec_of((x[:BATCH], y[:BATCH]))
+    symbolic_build(model, batch)
+    return StepCache(model).memory(1, spec_of(jax_state(model)), batch)
+
+
+class FailingStep:
+    """A compiled step that raises XLA's out-of-memory error when run.
+
+    Its memory analysis is the real one: only running it fails.
+    """
+
+    def __init__(self, compiled, micro_batches, runs, fails):
+        self.compiled, self.micro_batches, self.runs, self.fails = (
+            compiled, micro_batches, runs, fails
+        )
+
+    def memory_analysis(self):
+        return self.compiled.memory_analysis()
+
+    def __call__(self, state, data):
+        self.runs.append(self.micro_batches)
+        if self.fails:
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Out of memory allocating 4096 bytes.", 8
+            )
+        return self.compiled(state, data)
+
+
+def failing_step(compiled, failing_counts, runs):
+    """`StepCache.compiled`, whose steps at `failing_counts` fail when run."""
+
+    def patched(self, micro_batches, state, data):
+        step = compiled(self, micro_batches, state, data)
+        return FailingStep(step, micro_batches, runs, micro_batches in failing_counts)
+
+    return patched
+
+
+def test_the_monitor_logs_host_memory_and_says_once_the_device_has_no_statistics(
+    tmp_path, caplog
+):
+    model = make_mlp()
+    x, y = mlp_data()
+    with caplog.at_level(logging.INFO, logger="keras_memguard"):
+        history = model.fit(
+            x, y, batch_size=20, epochs=2, verbose=0,
+            callbacks=[keras_memguard.MemoryMonitor(log_dir=str(tmp_path), nvml=False)],
+        )
+    assert len(history.history["host_rss_mib"]) == 2
+    assert min(history.history["host_rss_mib"]) > 10
+    # The device columns are absent (no statistics on a CPU device), said once.
+    assert "memory_peak_mib" not in history.history
+    said = [r.getMessage() for r in caplog.records if "memory_stats() is None" in r.getMessage()]
+    assert len(said) == 1, said
+    logged = scalars(os.path.join(str(tmp_path), "memguard"))
+    assert len(logged["memory/host/rss_mib"]) == 10  # 5 batches, 2 epochs
+
+
+def test_the_guard_plans_from_the_compiled_step_and_trains_as_plain_fit(tmp_path, caplog):
+    x, y = wide_data(2 * BATCH)
+    need = whole_batch_need(make_wide_mlp, x, y)
+    # The whole batch's step needs more than the target; a few
+    # micro-batches fit.
+    fixed = need.argument_bytes + need.output_bytes
+    limit = int((fixed + need.temp_bytes / 3) / 0.9)
+    assert need.need_bytes > 0.9 * limit
+    plain, model = twins(make_wide_mlp)
+    guard = keras_memguard.MemoryGuard(memory_limit=limit, log_dir=str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="keras_memguard"):
+        history = model.fit(x, y, callbacks=[guard], **FIT)
+    expected = plain.fit(x, y, **FIT)
+
+    assert 1 < guard.micro_batches < BATCH
+    assert guard.oom_recoveries == 0
+    assert history.history["micro_batches"] == [guard.micro_batches] * 2
+    planned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("planned")]
+    assert len(planned) == 1, planned  # one shape: planned once
+    assert "compiled step needs" in planned[0] and "under target 90%" in planned[0]
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+    assert max_weight_difference(model, plain) < 1e-5
+    logged = scalars(os.path.join(str(tmp_path), "memguard"))
+    assert logged["memguard/micro_batches"] == [float(guard.micro_batches)] * 4
+    # The train function Keras made is back after fit.
+    assert not isinstance(model.train_function, keras_memguard.MemoryGuard)
+    assert type(model.train_function).__name__ != "LogsCarrier"
+
+
+def test_a_batch_out_of_memory_is_replayed_with_more_micro_batches(monkeypatch, caplog):
+    plain, model = twins(make_mlp)
+    x, y = mlp_data()
+    runs = []
+    monkeypatch.setattr(StepCache, "compiled", failing_step(StepCache.compiled, {1}, runs))
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40)
+    fit = dict(batch_size=20, epochs=1, shuffle=False, verbose=0)
+    with caplog.at_level(logging.INFO, logger="keras_memguard"):
+        model.fit(x, y, callbacks=[guard], **fit)
+    monkeypatch.undo()
+    plain.fit(x, y, **fit)
+
+    assert runs[0] == 1 and runs[1] > 1  # the one failure, then the replay
+    assert runs.count(1) == 1  # the failed count is not planned again
+    assert guard.oom_recoveries == 1
+    assert any(r.getMessage().startswith("out of memory at 1 micro-batch") for r in caplog.records)
+    # The failed attempt left the state untouched: the same weights as plain.
+    assert max_weight_difference(model, plain) < 1e-5
+
+
+def test_one_sample_per_micro_batch_out_of_memory_raises_the_guard_error(monkeypatch):
+    model = make_mlp()
+    x, y = mlp_data()
+    weights = model.get_weights()
+
+    monkeypatch.setattr(
+        StepCache, "compiled", failing_step(StepCache.compiled, set(range(1, 5)), [])
+    )
+    with pytest.raises(MicroBatchTooLargeError, match="single sample"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0,
+                  callbacks=[keras_memguard.MemoryGuard(memory_limit=1 << 40)])
+    for got, want in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_without_a_limit_on_a_cpu_device_the_guard_says_what_to_pass():
+    model = make_mlp()
+    x, y = mlp_data()
+    with pytest.raises(MemoryLimitUnknownError, match="pass `memory_limit=<bytes>`") as info:
+        model.fit(x, y, batch_size=20, verbose=0, callbacks=[keras_memguard.MemoryGuard()])
+    assert "TF_CPU" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [({"mode": "shrink"}, "mode='shrink'"), ({"escalate": ("remat",)}, "escalate=('remat',)")],
+)
+def test_options_the_jax_backend_lacks_are_refused_at_fit_start(options, named):
+    model = make_mlp()
+    x, y = mlp_data()
+    weights = model.get_weights()
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40, **options)
+    with pytest.raises(UnsupportedTrainingSetupError, match="JAX backend") as info:
+        model.fit(x, y, batch_size=20, verbose=0, callbacks=[guard])
+    assert named in str(info.value)
+    for got, want in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_evaluate_and_predict_with_the_guard_run_as_keras_runs_them(caplog):
+    model = make_mlp()
+    x, y = mlp_data()
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40)
+    expected_loss = model.evaluate(x, y, batch_size=20, verbose=0)
+    expected = model.predict(x, batch_size=20, verbose=0)
+    with caplog.at_level(logging.INFO, logger="keras_memguard"):
+        loss = model.evaluate(x, y, batch_size=20, verbose=0, callbacks=[guard])
+        model.evaluate(x, y, batch_size=20, verbose=0, callbacks=[guard])
+        predicted = model.predict(x, batch_size=20, verbose=0, callbacks=[guard])
+    assert loss == pytest.approx(expected_loss)
+    np.testing.assert_allclose(predicted, expected, rtol=1e-6)
+    said = [r.getMessage() for r in caplog.records if "runs as Keras runs it" in r.getMessage()]
+    assert len([m for m in said if m.startswith("evaluate")]) <= 1
+    assert len([m for m in said if m.startswith("predict")]) <= 1
+
+
+class MixedMLP(keras_memguard.MemGuardMixin, keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(32, activation="relu")
+        self.out = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def make_mixed():
+    model = MixedMLP()
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def test_the_mixin_micro_batches_keras_own_step_as_the_whole_batch():
+    assert keras_memguard.MemGuardMixin.__module__ == "keras_memguard.jax_training.mixin"
+    x = np.random.default_rng(0).normal(size=(96, 8)).astype("float32")
+    y = x[:, :2] * 2.0
+    plain, model = twins(make_mixed)
+    model.micro_batches = 4
+    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    expected = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+    assert max_weight_difference(model, plain) < 1e-5
+    assert type(model.train_function).__name__ == "ReplayingTrainFunction"
+
+
+def test_the_mixin_says_what_the_jax_backend_lacks():
+    model = make_mixed()
+    with pytest.raises(ValueError, match="Received: micro_batch_mode='shrink'"):
+        model.micro_batch_mode = "shrink"
+    with pytest.raises(ValueError, match="Received: micro_batches=0"):
+        model.micro_batches = 0
+    with pytest.raises(UnsupportedTrainingSetupError, match="TensorFlow backend only"):
+        model.accumulate_gradients((np.zeros((2, 8)), np.zeros((2, 2))))
