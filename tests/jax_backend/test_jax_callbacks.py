@@ -28,6 +28,7 @@ from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.jax_training import StepCache
 from keras_memguard.jax_training.compiled import spec_of
+from keras_memguard.report.cli import make_report
 from keras_memguard.training.compat import jax_state
 from keras_memguard.training.compat import symbolic_build
 from tensorboard.backend.event_processing import event_accumulator
@@ -129,6 +130,9 @@ def test_the_guard_plans_from_the_compiled_step_and_trains_as_plain_fit(tmp_path
     assert max_weight_difference(model, plain) < 1e-5
     logged = scalars(os.path.join(str(tmp_path), "memguard"))
     assert logged["memguard/micro_batches"] == [float(guard.micro_batches)] * 4
+    # The report reads the run without TensorFlow.
+    summary = make_report(str(tmp_path))
+    assert f"settled on k={guard.micro_batches}" in summary, summary
     # The train function Keras made is back after fit.
     assert not isinstance(model.train_function, keras_memguard.MemoryGuard)
     assert type(model.train_function).__name__ != "LogsCarrier"
