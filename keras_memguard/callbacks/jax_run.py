@@ -201,9 +201,13 @@ class JaxTrainingRun:
     def _contribute(self, logs):
         """After each train function call: margin, logs and scalars."""
         guard = self.guard
-        samples = guard._reader.read(guard, self._carrier.batch_key)
+        reader = guard._reader
+        reader.read(guard, self._carrier.batch_key)
+        # JAX cannot reset a device's peak: a sample's peak is the
+        # high-water mark; the step's own peak is known only where the mark
+        # rose during it (the interval since the read before the step).
         peak = max(
-            (s.peak_bytes for s in samples if s.peak_bytes is not None), default=None
+            (p for p in reader.probe.interval_peaks() if p is not None), default=None
         )
         excess = excess_bytes(self._memory, self._before, peak)
         if excess is not None and excess > self.margin_bytes:

@@ -9,6 +9,7 @@ type), as in `test_jax_replay.py`.
 
 import logging
 import os
+import re
 
 import jax
 import numpy as np
@@ -251,3 +252,48 @@ def test_the_mixin_says_what_the_jax_backend_lacks():
         model.micro_batches = 0
     with pytest.raises(UnsupportedTrainingSetupError, match="TensorFlow backend only"):
         model.accumulate_gradients((np.zeros((2, 8)), np.zeros((2, 2))))
+
+
+class FakeGpu:
+    """A device that keeps memory statistics, as a GPU does (none here).
+
+    Its high-water mark rises at every reading, about 1 GB above what is
+    in use: each step's measured peak lies far beyond the compiled step's
+    analysis.
+    """
+
+    platform = "gpu"
+    id = 0
+
+    def __init__(self):
+        self.readings = 0
+
+    def memory_stats(self):
+        self.readings += 1
+        return {
+            "bytes_in_use": 1000,
+            "peak_bytes_in_use": 10**9 + self.readings,
+            "bytes_limit": 16 * 2**30,
+        }
+
+
+def test_a_measured_peak_beyond_the_analysis_becomes_a_margin_in_later_plans(caplog):
+    from keras_memguard.callbacks import sampling
+    from keras_memguard.probes.jax_memory import JaxMemoryProbe
+
+    model = make_mlp()
+    x, y = mlp_data(n=30)  # batches of 20, then 10: two shapes
+    # The only mock: the device's statistics, which a CPU device lacks.
+    sampling._readers[model] = sampling.SharedAllocatorReader(
+        probe=JaxMemoryProbe(devices=[FakeGpu()])
+    )
+    guard = keras_memguard.MemoryGuard()  # the limit: the device's bytes_limit
+    with caplog.at_level(logging.INFO, logger="keras_memguard"):
+        model.fit(x, y, batch_size=20, epochs=1, shuffle=False, verbose=0, callbacks=[guard])
+    planned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("planned")]
+    assert len(planned) == 2, planned
+    needs = [float(re.search(r"needs ([0-9.]+) MiB", line).group(1)) for line in planned]
+    # The first shape: the analysis alone; the second: plus the margin the
+    # first step's measured peak showed (about 1 GB).
+    assert needs[0] < 50 and needs[1] > 900, planned
+    assert "of 16384 MiB" in planned[0]
