@@ -249,8 +249,9 @@ def test_advise_reports_every_variant_of_a_cnn_with_no_out_of_memory_error(cnn_a
     assert [v.name for v in advice.variants] == list(advice_lib.VARIANTS)
     failed = [(v.name, v.reason) for v in advice.variants if v.status != "ok"]
     assert not failed
-    assert advice.out_of_memory_errors == 0
-    assert all(v.out_of_memory_errors == 0 for v in advice.variants)
+    errors = {v.name: (v.out_of_memory_errors, v.largest_batch_size) for v in advice.variants}
+    assert advice.out_of_memory_errors == 0, errors
+    assert all(v.out_of_memory_errors == 0 for v in advice.variants), errors
     assert advice.device == "CPU:0" and advice.limit_mib == CNN_CAP_MIB
     # A batch of 32 fits whole, so the largest batch is beyond it.
     assert advice.largest_batch_size > CNN_BATCH
