@@ -4,6 +4,7 @@ Samples are immutable and hold integer bytes; a value a probe cannot read is
 `None`, never a guess. Probes measure and never decide.
 """
 
+import numbers
 import sys
 import warnings
 from typing import NamedTuple, Optional
@@ -16,6 +17,32 @@ MIB = 1024 * 1024
 _LIBRARY_PACKAGES = frozenset(
     ("keras_memguard", "keras", "tensorflow", "tf_keras", "optree", "tree")
 )
+
+
+def check_bytes(value, label):
+    """Checks a memory limit given in bytes; returns it as an int.
+
+    Shared by the probes' `memory_limit` arguments.
+
+    Raises:
+        ValueError: Naming `label` and echoing `value`, unless it is a
+            positive whole number.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not (
+            isinstance(value, numbers.Integral)
+            or (isinstance(value, float) and value.is_integer())
+        )
+        or value < 1
+    ):
+        raise ValueError(
+            f"`{label}` must be a positive number of bytes (an int), a dict "
+            "mapping device strings to one, or None. "
+            f"Received: {label}={value!r}"
+        )
+    return int(value)
 
 
 def warn_at_user_code(message, category=UserWarning, stacklevel=2):

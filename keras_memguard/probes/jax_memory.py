@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional
 
 from keras_memguard.probes.base import MIB
 from keras_memguard.probes.base import AllocatorSample
+from keras_memguard.probes.base import check_bytes
 from keras_memguard.probes.base import warn_at_user_code
 
 logger = logging.getLogger("keras_memguard")
@@ -64,30 +65,12 @@ def normalize_device(device):
     return f"{match.group(1).upper()}:{int(match.group(2))}"
 
 
-def _check_bytes(value, label):
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not (
-            isinstance(value, numbers.Integral)
-            or (isinstance(value, float) and value.is_integer())
-        )
-        or value < 1
-    ):
-        raise ValueError(
-            f"`{label}` must be a positive number of bytes (an int), a dict "
-            "mapping device strings to one, or None. "
-            f"Received: {label}={value!r}"
-        )
-    return int(value)
-
-
 def _parse_limits(memory_limit):
     """Validates `memory_limit`; returns `(limit_for_all, {device: limit})`."""
     if memory_limit is None:
         return None, {}
     if not isinstance(memory_limit, dict):
-        return _check_bytes(memory_limit, "memory_limit"), {}
+        return check_bytes(memory_limit, "memory_limit"), {}
     limits = {}
     for key, value in memory_limit.items():
         short = normalize_device(key)
@@ -96,7 +79,7 @@ def _parse_limits(memory_limit):
                 "`memory_limit` keys must be device strings such as "
                 f'"GPU:0". Received: memory_limit={memory_limit!r}'
             )
-        limits[short] = _check_bytes(value, f"memory_limit[{key!r}]")
+        limits[short] = check_bytes(value, f"memory_limit[{key!r}]")
     return None, limits
 
 

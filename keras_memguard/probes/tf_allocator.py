@@ -8,6 +8,7 @@ from typing import NamedTuple, Optional
 
 from keras_memguard.probes.base import MIB
 from keras_memguard.probes.base import AllocatorSample
+from keras_memguard.probes.base import check_bytes
 from keras_memguard.probes.base import warn_at_user_code
 
 logger = logging.getLogger("keras_memguard")
@@ -76,24 +77,6 @@ def cpu_bfc_limit_bytes():
     return mib * MIB if mib > 0 else None
 
 
-def _check_bytes(value, label):
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not (
-            isinstance(value, numbers.Integral)
-            or (isinstance(value, float) and value.is_integer())
-        )
-        or value < 1
-    ):
-        raise ValueError(
-            f"`{label}` must be a positive number of bytes (an int), a dict "
-            "mapping device strings to one, or None. "
-            f"Received: {label}={value!r}"
-        )
-    return int(value)
-
-
 def logical_device_limits(physical_devices):
     """Maps logical devices to their physical ordinal and configured limit.
 
@@ -141,7 +124,7 @@ def _parse_limits(memory_limit, devices):
                     'strings such as "GPU:0". '
                     f"Received: memory_limit={memory_limit!r}"
                 )
-            limits[short] = _check_bytes(value, f"memory_limit[{key!r}]")
+            limits[short] = check_bytes(value, f"memory_limit[{key!r}]")
         if devices is not None and set(limits) - set(devices):
             raise ValueError(
                 "`memory_limit` names devices the probe does not read: "
@@ -151,7 +134,7 @@ def _parse_limits(memory_limit, devices):
             )
         limit_all = None
     else:
-        limit_all = _check_bytes(memory_limit, "memory_limit")
+        limit_all = check_bytes(memory_limit, "memory_limit")
         limits = {}
     smallest = min([limit_all or MIB] + list(limits.values()))
     if smallest < MIB:
