@@ -7,7 +7,10 @@ the micro-batched step for candidate counts and plans from what XLA says
 each needs (`plan_micro_batches`), and replays a batch that raised XLA's
 out-of-memory error with the count the decider gives (`decider.fail`).
 Batches of a shape already planned reuse the count: no compile, no
-analysis, a dict lookup.
+analysis, a dict lookup. The compiled steps and the counts planned are kept
+per model across `fit` calls (compiling is the expensive part: a new `fit`
+of the same model, a loop of one-epoch fits, compiles nothing again) while
+the model's optimizer and variables and the guard's limit stay the same.
 
 Where the device reports peaks (`JaxMemoryProbe` on a GPU), each batch's
 measured peak beyond what the analysis predicted becomes a margin kept
@@ -18,6 +21,7 @@ Imports JAX and Keras, never TensorFlow.
 """
 
 import logging
+import weakref
 
 from keras_memguard import decider
 from keras_memguard.callbacks import logs_carrier
@@ -32,6 +36,27 @@ from keras_memguard.jax_training.step import batch_size_of
 from keras_memguard.jax_training.support import check_supported
 
 logger = logging.getLogger("keras_memguard")
+
+# model -> (what the entry is valid for, StepCache, {shape key: count}).
+_KEPT = weakref.WeakKeyDictionary()
+
+
+def _kept(model, limit_bytes, config):
+    """The model's step cache and planned counts, made anew when stale."""
+    optimizer = getattr(model, "optimizer", None)
+    valid_for = (
+        id(optimizer),
+        len(model.trainable_variables),
+        len(model.non_trainable_variables),
+        len(getattr(optimizer, "variables", ())),
+        len(model.metrics_variables),
+        limit_bytes,
+        config,
+    )
+    kept = _KEPT.get(model)
+    if kept is None or kept[0] != valid_for:
+        kept = _KEPT[model] = (valid_for, StepCache(model), {})
+    return kept[1], kept[2]
 
 
 def unsupported_options(guard):
@@ -67,9 +92,8 @@ class JaxTrainingRun:
         self.log_key = log_key
         self.model = guard.model
         self.limit_bytes = float(limit_bytes)
-        self.cache = StepCache(self.model)
         # Shape key -> the count planned (or replayed) for it.
-        self.planned = {}
+        self.cache, self.planned = _kept(self.model, self.limit_bytes, guard.config)
         # Bytes beyond the analysis that measured peaks showed (a margin).
         self.margin_bytes = 0
         self.function = None
@@ -121,6 +145,7 @@ class JaxTrainingRun:
         k = self.planned.get(key)
         if k is not None:
             self._memory = self.cache.analysed(k, data)
+            self._set_count(k)
             return k
         if not self.guard.plan:
             k = self.guard.micro_batches

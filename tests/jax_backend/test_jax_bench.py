@@ -21,3 +21,19 @@ def test_bench_jax_plan_smoke_run():
     measured = [r for r in rows if "compile_s" in r]
     assert len(measured) == 6 and all(r["need_mib"] > 0 for r in measured)
     assert any("error_percent" in r for r in rows)
+
+
+GUARD_SCRIPT = SCRIPT.parent / "bench_jax_guard.py"
+
+
+def test_bench_jax_guard_smoke_run():
+    result = subprocess.run(
+        [sys.executable, str(GUARD_SCRIPT), "--smoke"],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, KERAS_BACKEND="jax"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    medians = {r["variant"]: r for r in rows if "median_s" in r}
+    assert set(medians) == {"plain", "guard", "guard+monitor"}
+    assert all(r["median_s"] > 0 for r in medians.values())

@@ -134,6 +134,12 @@ def test_the_guard_plans_from_the_compiled_step_and_trains_as_plain_fit(tmp_path
     # The report reads the run without TensorFlow.
     summary = make_report(str(tmp_path))
     assert f"settled on k={guard.micro_batches}" in summary, summary
+    # A second fit of the model plans and compiles nothing again.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="keras_memguard"):
+        again = model.fit(x, y, callbacks=[keras_memguard.MemoryGuard(memory_limit=limit)], **FIT)
+    assert not [r for r in caplog.records if r.getMessage().startswith("planned")]
+    assert again.history["micro_batches"] == [guard.micro_batches] * 2
     # The train function Keras made is back after fit.
     assert not isinstance(model.train_function, keras_memguard.MemoryGuard)
     assert type(model.train_function).__name__ != "LogsCarrier"
