@@ -237,7 +237,7 @@ class JaxTrainingRun:
         excess = excess_bytes(self._memory, self._before, peak)
         if excess is not None and excess > self.margin_bytes:
             self.margin_bytes = excess
-        guard._step += 1
+        guard._step += self.function.last_call_batches
         logs[self.log_key] = guard.micro_batches
         if guard._writer is not None:
             guard._write_scalars()

@@ -166,15 +166,19 @@ class ReplayingTrainFunction:
         self.failures = []
         # Samples in the batch that ran last, or None before the first.
         self.last_batch_size = None
+        # Batches the last call ran (up to `steps_per_execution`).
+        self.last_call_batches = 0
 
     def __call__(self, state, iterator):
         logs, state = self.run(state, next(iterator))
+        self.last_call_batches = 1
         for _ in range(getattr(self.model, "steps_per_execution", 1) - 1):
             try:
                 data = next(iterator)
             except StopIteration:
                 break
             logs, state = self.run(state, data)
+            self.last_call_batches += 1
         return logs, state
 
     def run(self, state, data):

@@ -303,3 +303,22 @@ def test_a_measured_peak_beyond_the_analysis_becomes_a_margin_in_later_plans(cap
     # first step's measured peak showed (about 1 GB).
     assert needs[0] < 50 and needs[1] > 900, planned
     assert "of 16384 MiB" in planned[0]
+
+
+def test_steps_per_execution_runs_every_batch_and_counts_each_step(tmp_path):
+    x, y = mlp_data(n=100)
+    plain, model = twins(make_mlp)
+    for m in (plain, model):
+        m.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss="sparse_categorical_crossentropy", steps_per_execution=3)
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40, micro_batches=2,
+                                       plan=False, log_dir=str(tmp_path))
+    fit = dict(batch_size=10, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, callbacks=[guard], **fit)
+    plain.fit(x, y, **fit)
+    assert int(model.optimizer.iterations.numpy()) == 10
+    assert max_weight_difference(model, plain) < 1e-5
+    # One row per execution (3, 3, 3, 1 batches), at the step it ended on.
+    accumulator = event_accumulator.EventAccumulator(os.path.join(str(tmp_path), "memguard"))
+    accumulator.Reload()
+    assert [e.step for e in accumulator.Scalars("memguard/micro_batches")] == [3, 6, 9, 10]
