@@ -39,6 +39,7 @@ if BACKEND == "tensorflow":
     from keras_memguard.training.setup import gradient_bytes
     from keras_memguard.training.step import trains_with_own_step
 elif BACKEND == "jax":
+    from keras_memguard.callbacks.jax_run import JaxInferenceRun
     from keras_memguard.callbacks.jax_run import JaxTrainingRun
 
 logger = logging.getLogger("keras_memguard")
@@ -462,7 +463,7 @@ class MemoryGuard(keras.callbacks.Callback):
 
     def on_test_begin(self, logs=None):
         if BACKEND != "tensorflow":
-            messages.log_inference_not_guarded(BACKEND, "evaluate")
+            self._begin_other_backend_inference(inference.EVALUATE)
             return
         if self._function is None:
             # `model.evaluate(callbacks=[guard])`: planned and sliced.
@@ -485,6 +486,7 @@ class MemoryGuard(keras.callbacks.Callback):
 
     def on_test_end(self, logs=None):
         if BACKEND != "tensorflow":
+            self._end_other_backend_inference()
             return
         if self._function is None:
             self._end_inference()
@@ -495,7 +497,7 @@ class MemoryGuard(keras.callbacks.Callback):
 
     def on_predict_begin(self, logs=None):
         if BACKEND != "tensorflow":
-            messages.log_inference_not_guarded(BACKEND, "predict")
+            self._begin_other_backend_inference(inference.PREDICT)
             return
         self._begin_inference(inference.PREDICT, ReplayPredictFunction)
 
@@ -504,6 +506,9 @@ class MemoryGuard(keras.callbacks.Callback):
             self._inference.after_batch()
 
     def on_predict_end(self, logs=None):
+        if BACKEND != "tensorflow":
+            self._end_other_backend_inference()
+            return
         self._end_inference()
 
     def _begin_other_backend(self):
@@ -520,6 +525,20 @@ class MemoryGuard(keras.callbacks.Callback):
         self._reader.reset()
         if self._writer is not None:
             self._writer.acquire(self)
+
+    def _begin_other_backend_inference(self, kind):
+        """Slices the batches of `evaluate` or `predict` on JAX."""
+        if BACKEND != "jax":
+            messages.log_inference_not_guarded(BACKEND, kind)
+            return
+        self._limits = self._resolve_limits()
+        self._inference = JaxInferenceRun(self, kind, min(l for l in self._limits if l))
+        self._inference.begin()
+
+    def _end_other_backend_inference(self):
+        if self._inference is not None:
+            self._inference.end()
+            self._inference = None
 
     def _begin_inference(self, kind, function_class):
         """Plans and slices the batches of an `evaluate` or `predict` call."""

@@ -1,4 +1,4 @@
-"""`MemoryGuard` on Keras' JAX backend: the glue for one `fit`.
+"""`MemoryGuard` on Keras' JAX backend: the glue for one `fit`, `evaluate` or `predict`.
 
 On the JAX backend the guard trains through the JAX training core
 (`keras_memguard.jax_training`): a `ReplayingTrainFunction` put inside the
@@ -17,6 +17,11 @@ measured peak beyond what the analysis predicted becomes a margin kept
 free in later plans; a CPU device reports none, and the plan is the
 analysis alone.
 
+`evaluate` and `predict` (and `fit`'s validation) run in slices of each
+batch (`keras_memguard.jax_training.inference`), their count planned per
+batch shape from the compiled slice step the same way; a slice that runs
+out of memory is run again in smaller slices.
+
 Imports JAX and Keras, never TensorFlow.
 """
 
@@ -26,14 +31,19 @@ import weakref
 from keras_memguard import decider
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks import messages
+from keras_memguard.callbacks.controller import GuardController
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.jax_training.compiled import StepCache
 from keras_memguard.jax_training.compiled import shape_key
+from keras_memguard.jax_training.inference import SlicedPredictFunction
+from keras_memguard.jax_training.inference import SlicedTestFunction
+from keras_memguard.jax_training.inference import double_slices
 from keras_memguard.jax_training.planning import excess_bytes
 from keras_memguard.jax_training.planning import plan_micro_batches
 from keras_memguard.jax_training.replay import ReplayingTrainFunction
 from keras_memguard.jax_training.step import batch_size_of
 from keras_memguard.jax_training.support import check_supported
+from keras_memguard.training import functions
 
 logger = logging.getLogger("keras_memguard")
 
@@ -241,6 +251,105 @@ class JaxTrainingRun:
         logs[self.log_key] = guard.micro_batches
         if guard._writer is not None:
             guard._write_scalars()
+
+
+# model -> {kind: (what the entry is valid for, sliced function, {shape: count})}.
+_KEPT_INFERENCE = weakref.WeakKeyDictionary()
+
+_FUNCTIONS = {"evaluate": SlicedTestFunction, "predict": SlicedPredictFunction}
+
+
+class JaxInferenceRun:
+    """One `evaluate` or `predict` (or `fit`'s validation) under `MemoryGuard`.
+
+    Args:
+        guard: The `MemoryGuard`.
+        kind: `"evaluate"` or `"predict"`.
+        limit_bytes: The device memory limit planned against.
+    """
+
+    def __init__(self, guard, kind, limit_bytes):
+        self.guard = guard
+        self.kind = kind
+        self.model = guard.model
+        self.limit_bytes = float(limit_bytes)
+        self.controller = guard._inference_controllers.get(kind)
+        if self.controller is None:
+            self.controller = guard._inference_controllers[kind] = GuardController(guard.config)
+        valid_for = (id(self.model.optimizer), self.limit_bytes, guard.config)
+        kept = _KEPT_INFERENCE.setdefault(self.model, {}).get(kind)
+        if kept is None or kept[0] != valid_for:
+            function = _FUNCTIONS[kind](
+                self.model, plan=self._plan, on_out_of_memory=self._on_out_of_memory
+            )
+            kept = _KEPT_INFERENCE[self.model][kind] = (valid_for, function, {})
+        _, self.function, self.planned = kept
+        # The function outlives this run: it calls back into the latest one.
+        self.function.plan = self._plan
+        self.function.on_out_of_memory = self._on_out_of_memory
+        self._previous = None
+        self._key = None
+
+    def begin(self):
+        """Installs the sliced function in place of Keras' own."""
+        check_supported(self.model)
+        if self.kind == "evaluate":
+            self._previous = self.model.test_function
+            functions.set_test_function(self.model, self.function)
+        else:
+            self._previous = self.model.predict_function
+            functions.set_predict_function(self.model, self.function)
+
+    def end(self):
+        """Puts Keras' own function back."""
+        if self.kind == "evaluate":
+            functions.set_test_function(self.model, self._previous)
+        else:
+            functions.set_predict_function(self.model, self._previous)
+
+    def after_batch(self):
+        """Nothing after a batch: the plan is per shape, made before it."""
+
+    def _plan(self, function, state, data):
+        key = self._key = shape_key(data)
+        k = self.planned.get(key)
+        if k is not None:
+            return k
+        batch_size = batch_size_of(data)
+        config = self.guard.config
+        samples = self.guard._reader.read(self.guard, None)
+
+        def analyse(count):
+            memory = function.memory(count, state, data)
+            if memory is None:
+                raise _NoAnalysis()
+            return memory
+
+        try:
+            decided = plan_micro_batches(
+                analyse,
+                batch_size,
+                self.limit_bytes,
+                threshold=config.threshold,
+                in_use_bytes=_in_use(samples),
+                min_micro_batches=1,
+                max_micro_batches=config.max_micro_batches,
+            )
+            k = decided.micro_batches
+            messages.log_inference_plan(self.kind, batch_size, k, decided.reason)
+        except _NoAnalysis:
+            k = function.micro_batches
+        self.planned[key] = k
+        return k
+
+    def _on_out_of_memory(self, failure):
+        k = double_slices(failure)
+        messages.log_inference_slices(
+            self.kind, failure.batch_size, failure.micro_batches, None, k
+        )
+        self.planned[self._key] = k
+        self.controller.count_replay()
+        return k
 
 
 class _NoAnalysis(Exception):

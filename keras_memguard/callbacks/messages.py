@@ -63,6 +63,17 @@ def log_eval_slices(batch_size, micro_batches, done, new_k, training_k):
     )
 
 
+def log_inference_plan(kind, batch_size, micro_batches, reason):
+    """INFO: the slices a batch shape of `evaluate` or `predict` is planned in."""
+    logger.info(
+        "planned %s of batch %d in %s: %s",
+        kind,
+        batch_size,
+        micro_batches_text(micro_batches),
+        reason,
+    )
+
+
 def log_inference_slices(kind, batch_size, micro_batches, done, new_k):
     """INFO: an `evaluate` or `predict` batch goes on in smaller slices."""
     going_on = f"going on from sample {done}" if done is not None else "going on"

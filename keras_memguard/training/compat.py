@@ -505,27 +505,33 @@ def jax_state(model):
     )
 
 
-def keep_jax_state(model, state):
-    """Has JAX `fit` write `state` into the model's variables when it ends.
+_JAX_STATE_NAMES = {
+    "train": ("trainable_variables", "non_trainable_variables",
+              "optimizer_variables", "metrics_variables"),
+    "test": ("trainable_variables", "non_trainable_variables", "metrics_variables"),
+    "predict": ("trainable_variables", "non_trainable_variables"),
+}
 
-    JAX `fit` takes the variables' values out of the model (purges them)
-    and puts the latest state back only once a step has completed
-    (`_jax_state`, synced in its `finally`). A first step that raises
-    would leave the model without weights: handing it the state the step
-    started from keeps what was trained.
+
+def keep_jax_state(model, state, kind="train"):
+    """Puts `state` back into the model's variables when a step raised.
+
+    JAX `fit`, `evaluate` and `predict` take the variables' values out of
+    the model (purge them) and put the latest state back only once a step
+    has completed: `fit` in its `finally`, `evaluate` and `predict` only
+    when they end normally. A step that raises would leave the model
+    without weights. This hands JAX the state the step started from:
+    synced by `fit`'s `finally`, and at once for `evaluate` and `predict`.
 
     Args:
-        model: The Keras model in `fit`.
-        state: `(trainable, non_trainable, optimizer, metrics variables)`.
+        model: The Keras model.
+        state: The state tuple the step was given.
+        kind: `"train"`, `"test"` or `"predict"`: which tuple it is.
     """
-    trainable, non_trainable, optimizer, metrics = state
-    model._jax_state = {
-        "trainable_variables": trainable,
-        "non_trainable_variables": non_trainable,
-        "optimizer_variables": optimizer,
-        "metrics_variables": metrics,
-    }
+    model._jax_state = dict(zip(_JAX_STATE_NAMES[kind], state))
     model._jax_state_synced = False
+    if kind != "train":
+        model.jax_state_sync()
 
 
 def overrides_train_step(model):

@@ -204,21 +204,117 @@ def test_options_the_jax_backend_lacks_are_refused_at_fit_start(options, named):
         np.testing.assert_array_equal(got, want)
 
 
-def test_evaluate_and_predict_with_the_guard_run_as_keras_runs_them(caplog):
+def wide_cnn():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((16, 16, 3)),
+            keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+            keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(5),
+        ]
+    )
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def cnn_inputs(n=240):
+    rng = np.random.default_rng(3)
+    return rng.normal(size=(n, 16, 16, 3)).astype("float32"), rng.integers(0, 5, n)
+
+
+def slice_need(model, x, y, micro_batches, kind):
+    """What the compiled slice step needs at a count (nothing runs)."""
+    from keras_memguard.jax_training.inference import SlicedPredictFunction
+    from keras_memguard.jax_training.inference import SlicedTestFunction
+
+    function = (SlicedTestFunction if kind == "evaluate" else SlicedPredictFunction)(model)
+    batch = (x, y, None) if kind == "evaluate" else (x,)
+    state = jax_state(model)
+    state = state[:2] + state[3:] if kind == "evaluate" else state[:2]
+    return function.memory(micro_batches, state, batch)
+
+
+def test_evaluate_and_predict_are_planned_in_slices_and_equal_a_smaller_batch(caplog):
+    model = wide_cnn()
+    x, y = cnn_inputs()
+    model.fit(x[:8], y[:8], verbose=0)  # builds every variable
+    expected = model.evaluate(x, y, batch_size=30, verbose=0, return_dict=True)
+    expected_outputs = model.predict(x, batch_size=30, verbose=0)
+    one = slice_need(model, x, y, 1, "evaluate")
+    # A limit the whole batch's step exceeds and a few slices fit.
+    limit = int((one.argument_bytes + one.output_bytes + one.temp_bytes / 3) / 0.9)
+    assert one.need_bytes > 0.9 * limit
+    guard = keras_memguard.MemoryGuard(memory_limit=limit)
+    with caplog.at_level(logging.INFO, logger="keras_memguard"):
+        got = model.evaluate(x, y, batch_size=240, verbose=0, return_dict=True, callbacks=[guard])
+        outputs = model.predict(x, batch_size=240, verbose=0, callbacks=[guard])
+    planned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("planned")]
+    assert planned[0].startswith("planned evaluate of batch 240 in ")
+    assert "1 micro-batch:" not in planned[0], planned
+    assert any(m.startswith("planned predict of batch 240") for m in planned), planned
+    assert got["accuracy"] == expected["accuracy"]
+    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert isinstance(outputs, np.ndarray) and outputs.shape == (240, 5)
+    np.testing.assert_allclose(outputs, expected_outputs, rtol=1e-5, atol=1e-6)
+    assert guard.eval_oom_recoveries == 0 and guard.predict_oom_recoveries == 0
+    # Keras' own functions are back.
+    assert type(model.test_function).__name__ != "SlicedTestFunction"
+
+
+def test_a_slice_out_of_memory_is_run_again_in_smaller_slices(monkeypatch, caplog):
+    from keras_memguard.jax_training import inference
+
     model = make_mlp()
     x, y = mlp_data()
+    expected = model.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
+    expected_outputs = model.predict(x, batch_size=10, verbose=0)
+    executable = inference._SlicedFunction._executable
+    runs = []
+
+    def failing_whole_batches(self, state, data):
+        step = executable(self, state, data)
+        size = jax.tree_util.tree_leaves(data)[0].shape[0]
+        return FailingStep(step, size, runs, size == 50)
+
+    monkeypatch.setattr(inference._SlicedFunction, "_executable", failing_whole_batches)
     guard = keras_memguard.MemoryGuard(memory_limit=1 << 40)
-    expected_loss = model.evaluate(x, y, batch_size=20, verbose=0)
-    expected = model.predict(x, batch_size=20, verbose=0)
     with caplog.at_level(logging.INFO, logger="keras_memguard"):
-        loss = model.evaluate(x, y, batch_size=20, verbose=0, callbacks=[guard])
-        model.evaluate(x, y, batch_size=20, verbose=0, callbacks=[guard])
-        predicted = model.predict(x, batch_size=20, verbose=0, callbacks=[guard])
-    assert loss == pytest.approx(expected_loss)
-    np.testing.assert_allclose(predicted, expected, rtol=1e-6)
-    said = [r.getMessage() for r in caplog.records if "runs as Keras runs it" in r.getMessage()]
-    assert len([m for m in said if m.startswith("evaluate")]) <= 1
-    assert len([m for m in said if m.startswith("predict")]) <= 1
+        got = model.evaluate(x, y, batch_size=50, verbose=0, return_dict=True, callbacks=[guard])
+        outputs = model.predict(x, batch_size=50, verbose=0, callbacks=[guard])
+    monkeypatch.undo()
+    assert guard.eval_oom_recoveries == 1 and guard.predict_oom_recoveries == 1
+    assert runs.count(50) == 2  # once each: the failed size is not run again
+    assert any("out of memory in evaluate on a batch of 50" in r.getMessage() for r in caplog.records)
+    assert got["accuracy"] == expected["accuracy"]
+    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    np.testing.assert_allclose(outputs, expected_outputs, rtol=1e-6)
+
+
+def test_evaluate_that_cannot_be_sliced_further_keeps_the_weights(monkeypatch):
+    from keras_memguard.jax_training import inference
+
+    model = make_mlp()
+    x, y = mlp_data()
+    weights = model.get_weights()
+    executable = inference._SlicedFunction._executable
+
+    def always_failing(self, state, data):
+        return FailingStep(executable(self, state, data), 0, [], True)
+
+    monkeypatch.setattr(inference._SlicedFunction, "_executable", always_failing)
+    with pytest.raises(MicroBatchTooLargeError, match="slice of one sample"):
+        model.evaluate(x, y, batch_size=4, verbose=0,
+                       callbacks=[keras_memguard.MemoryGuard(memory_limit=1 << 40)])
+    monkeypatch.undo()
+    for got, want in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(got, want)
+    model.evaluate(x, y, verbose=0)  # and the model still evaluates
 
 
 class MixedMLP(keras_memguard.MemGuardMixin, keras.Model):
