@@ -7,7 +7,9 @@ the only package that touches the JAX trainer's internals (through
 steps per count and batch shapes, and what XLA says they need), `planning`
 (the smallest count whose compiled step fits), `replay` (the train function
 `fit` calls, which replays a batch after an out-of-memory error) and
-`support` (what cannot be guarded yet, refused before `fit` starts).
+`support` (what cannot be guarded yet, refused before `fit` starts),
+`inference` (`evaluate` and `predict` in slices that can be replayed) and
+`mixin` (`MemGuardMixin` on this backend).
 
 Imports JAX and Keras, never TensorFlow.
 """
