@@ -6,7 +6,7 @@ the only package that touches the JAX trainer's internals (through
 `step` (the micro-batched, non-donating train step), `compiled` (compiled
 steps per count and batch shapes, and what XLA says they need), `planning`
 (the smallest count whose compiled step fits), `replay` (the train function
-`fit` calls, which replays a batch after an out-of-memory error) and
+`fit` calls, which replays a batch after an out-of-memory error),
 `support` (what cannot be guarded yet, refused before `fit` starts),
 `inference` (`evaluate` and `predict` in slices that can be replayed) and
 `mixin` (`MemGuardMixin` on this backend).
