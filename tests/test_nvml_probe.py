@@ -2,8 +2,8 @@
 
 This machine has no NVIDIA driver, so the GPU paths run against a fake
 `pynvml` module put in `sys.modules`: the one seam the probe imports through.
-Whether TensorFlow sees a GPU (which decides between a warning and a quiet
-INFO log when NVML is missing) is asked through `nvml._tensorflow_sees_gpu`;
+Whether the backend sees a GPU (which decides between a warning and a quiet
+INFO log when NVML is missing) is asked through `nvml._backend_sees_gpu`;
 tests of a GPU machine set it to True.
 """
 
@@ -134,7 +134,7 @@ MIG_UUID = "MIG-dddd5555-0000-0000-0000-000000000000"
 @pytest.fixture
 def tf_sees_gpu(monkeypatch):
     """TensorFlow sees a GPU, as on a GPU machine."""
-    monkeypatch.setattr(nvml_module, "_tensorflow_sees_gpu", lambda: True)
+    monkeypatch.setattr(nvml_module, "_backend_sees_gpu", lambda: True)
 
 
 @pytest.fixture
@@ -160,7 +160,7 @@ def _no_driver():
 
 @pytest.mark.skipif(not _no_driver(), reason="An NVIDIA driver is present.")
 def test_no_driver_and_no_gpu_is_silent_with_one_info_log(caplog):
-    assert nvml_module._tensorflow_sees_gpu() is False
+    assert nvml_module._backend_sees_gpu() is False
     probe = NvmlProbe()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -177,7 +177,7 @@ def test_no_driver_and_no_gpu_is_silent_with_one_info_log(caplog):
 
 def test_missing_pynvml_without_a_gpu_is_silent(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "pynvml", None)
-    monkeypatch.setattr(nvml_module, "_tensorflow_sees_gpu", lambda: False)
+    monkeypatch.setattr(nvml_module, "_backend_sees_gpu", lambda: False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with caplog.at_level(logging.INFO, logger="keras_memguard"):

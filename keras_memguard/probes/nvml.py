@@ -202,7 +202,7 @@ class NvmlProbe:
                 f"NVML is not available: `pynvml` cannot be imported ({e}). "
                 f"GPU readings from NVML are skipped. {_INSTALL_HINT}"
             )
-            self._quiet = not _tensorflow_sees_gpu()
+            self._quiet = not _backend_sees_gpu()
             return
         try:
             pynvml.nvmlInit()
@@ -211,7 +211,7 @@ class NvmlProbe:
                 f"NVML is not available: nvmlInit() failed ({e}). "
                 f"GPU readings from NVML are skipped. {_DRIVER_HINT}"
             )
-            self._quiet = not _tensorflow_sees_gpu()
+            self._quiet = not _backend_sees_gpu()
             return
         self._pynvml = pynvml
         cuda_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -237,7 +237,7 @@ class NvmlProbe:
         self._targets = tuple(targets)
         self._by_ordinal = {t[0]: t for t in targets}
         if self._message is None and not visible:
-            self._quiet = not _tensorflow_sees_gpu()
+            self._quiet = not _backend_sees_gpu()
             self._message = (
                 "NVML found no visible GPU "
                 f"(CUDA_VISIBLE_DEVICES={cuda_visible!r}). GPU readings from "
@@ -310,16 +310,24 @@ class NvmlProbe:
         )
 
 
-def _tensorflow_sees_gpu():
-    """Whether TensorFlow lists a physical GPU (`False` without TensorFlow).
+def _backend_sees_gpu():
+    """Whether Keras' backend lists a GPU (`False` when it cannot tell).
 
-    Only asked when NVML is missing, so the import cost is paid only then.
+    Only asked when NVML is missing, so the cost (importing TensorFlow on
+    the TensorFlow backend) is paid only then; on the JAX backend JAX is
+    asked, and TensorFlow is never imported.
     """
     try:
+        import keras
+
+        if keras.backend.backend() == "jax":
+            import jax
+
+            return any(d.platform == "gpu" for d in jax.devices())
         import tensorflow as tf
 
         return bool(tf.config.list_physical_devices("GPU"))
-    except Exception:  # No TensorFlow, or it cannot list devices.
+    except Exception:  # No such backend, or it cannot list devices.
         return False
 
 

@@ -21,8 +21,33 @@ plan = lambda state, data: plan_micro_batches(
 model.train_function = ReplayingTrainFunction(model, cache=cache, plan=plan)
 probe = JaxMemoryProbe()
 probe.reset()
-model.fit(np.ones((64, 4), "float32"), np.ones((64, 2), "float32"), batch_size=16, verbose=0)
+x, y = np.ones((64, 4), "float32"), np.ones((64, 2), "float32")
+model.fit(x, y, batch_size=16, verbose=0)
 probe.sample()
+
+# The public API: monitor, guard (fit, validation, predict), mixin.
+import tempfile
+logs = tempfile.mkdtemp()
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+model.compile(optimizer="adam", loss="mse")
+model.fit(x, y, batch_size=16, verbose=0, validation_data=(x, y), callbacks=[
+    keras_memguard.MemoryMonitor(log_dir=logs),
+    keras_memguard.MemoryGuard(memory_limit=2**30, log_dir=logs)])
+model.predict(x, verbose=0, callbacks=[keras_memguard.MemoryGuard(memory_limit=2**30)])
+
+class Mixed(keras_memguard.MemGuardMixin, keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+mixed = Mixed()
+mixed.compile(optimizer="adam", loss="mse")
+mixed.fit(x, y, verbose=0)
+# (Not the report: TensorBoard's event reader imports TensorFlow where it
+# is installed; without it, the report runs without it, tested beside.)
 print("tensorflow" in sys.modules)
 """
 
