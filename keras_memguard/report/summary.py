@@ -355,6 +355,10 @@ def format_summary(summary):
                 if d.peak_usage is not None:
                     line += f" ({d.peak_usage:.0%} of {_mib(d.limit_mib)})"
                 lines.append(line)
+    elif summary.host is not None:
+        # The monitor ran (host memory is logged) on a device that keeps
+        # no memory statistics (a CPU under JAX, TensorFlow's CPU without BFC).
+        lines.append("  memory: no device readings (the device keeps no memory statistics)")
     else:
         lines.append("  memory: not logged (MemoryMonitor with log_dir writes it)")
 

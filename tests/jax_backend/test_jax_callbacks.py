@@ -105,6 +105,9 @@ def test_the_monitor_logs_host_memory_and_says_once_the_device_has_no_statistics
     assert len(said) == 1, said
     logged = scalars(os.path.join(str(tmp_path), "memguard"))
     assert len(logged["memory/host/rss_mib"]) == 10  # 5 batches, 2 epochs
+    summary = make_report(str(tmp_path))
+    assert "memory: no device readings (the device keeps no memory statistics)" in summary
+    assert "host memory (RSS)" in summary
 
 
 def test_the_guard_plans_from_the_compiled_step_and_trains_as_plain_fit(tmp_path, caplog):
