@@ -169,25 +169,16 @@ class JaxTrainingRun:
         batch_size = batch_size_of(data)
         config = self.guard.config
         previous = self.guard.micro_batches
-
-        def analyse(k):
-            memory = self.cache.memory(k, state, data)
-            if memory is None:
-                raise _NoAnalysis()
-            return memory
-
-        try:
-            decided = plan_micro_batches(
-                analyse,
-                batch_size,
-                self.limit_bytes,
-                threshold=config.threshold,
-                in_use_bytes=self._before,
-                margin_bytes=self.margin_bytes,
-                min_micro_batches=config.min_micro_batches,
-                max_micro_batches=config.max_micro_batches,
-            )
-        except _NoAnalysis:
+        decided = _plan_from_analysis(
+            lambda k: self.cache.memory(k, state, data),
+            batch_size,
+            self.limit_bytes,
+            config,
+            self._before,
+            self.margin_bytes,
+            config.min_micro_batches,
+        )
+        if decided is None:
             logger.info(
                 "the compiled step gives no memory analysis on this device: "
                 "batch %d runs with %s, and an out-of-memory error is replayed",
@@ -316,29 +307,21 @@ class JaxInferenceRun:
         if k is not None:
             return k
         batch_size = batch_size_of(data)
-        config = self.guard.config
         samples = self.guard._reader.read(self.guard, None)
-
-        def analyse(count):
-            memory = function.memory(count, state, data)
-            if memory is None:
-                raise _NoAnalysis()
-            return memory
-
-        try:
-            decided = plan_micro_batches(
-                analyse,
-                batch_size,
-                self.limit_bytes,
-                threshold=config.threshold,
-                in_use_bytes=_in_use(samples),
-                min_micro_batches=1,
-                max_micro_batches=config.max_micro_batches,
-            )
+        decided = _plan_from_analysis(
+            lambda count: function.memory(count, state, data),
+            batch_size,
+            self.limit_bytes,
+            self.guard.config,
+            _in_use(samples),
+            0,
+            1,
+        )
+        if decided is None:
+            k = function.micro_batches
+        else:
             k = decided.micro_batches
             messages.log_inference_plan(self.kind, batch_size, k, decided.reason)
-        except _NoAnalysis:
-            k = function.micro_batches
         self.planned[key] = k
         return k
 
@@ -354,6 +337,31 @@ class JaxInferenceRun:
 
 class _NoAnalysis(Exception):
     """The backend compiled the step but gave no memory analysis."""
+
+
+def _plan_from_analysis(memory_of, batch_size, limit_bytes, config, in_use_bytes,
+                        margin_bytes, min_micro_batches):
+    """`plan_micro_batches` over `memory_of(k)`; `None` without an analysis."""
+
+    def analyse(k):
+        memory = memory_of(k)
+        if memory is None:
+            raise _NoAnalysis()
+        return memory
+
+    try:
+        return plan_micro_batches(
+            analyse,
+            batch_size,
+            limit_bytes,
+            threshold=config.threshold,
+            in_use_bytes=in_use_bytes,
+            margin_bytes=margin_bytes,
+            min_micro_batches=min_micro_batches,
+            max_micro_batches=config.max_micro_batches,
+        )
+    except _NoAnalysis:
+        return None
 
 
 def _in_use(samples):
