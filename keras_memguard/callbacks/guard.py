@@ -516,6 +516,7 @@ class MemoryGuard(keras.callbacks.Callback):
         if BACKEND != "jax":
             raise UnsupportedTrainingSetupError(messages.backend_unsupported(BACKEND))
         self._limits = self._resolve_limits()
+        self._load_state()
         limit = min(l for l in self._limits if l)
         if not self._started:
             self.controller.start(limit, 0, 0)

@@ -421,3 +421,15 @@ def test_steps_per_execution_runs_every_batch_and_counts_each_step(tmp_path):
     accumulator = event_accumulator.EventAccumulator(os.path.join(str(tmp_path), "memguard"))
     accumulator.Reload()
     assert [e.step for e in accumulator.Scalars("memguard/micro_batches")] == [3, 6, 9, 10]
+
+
+def test_backup_dir_keeps_the_count_and_the_step_across_fits(tmp_path):
+    x, y = mlp_data()
+    model = make_mlp()
+    first = keras_memguard.MemoryGuard(memory_limit=1 << 40, micro_batches=4, plan=False,
+                                       backup_dir=str(tmp_path))
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[first])
+    again = keras_memguard.MemoryGuard(memory_limit=1 << 40, plan=False, backup_dir=str(tmp_path))
+    history = model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[again])
+    assert history.history["micro_batches"] == [4]
+    assert again._step == 10  # 5 batches in each fit
