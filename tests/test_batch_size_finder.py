@@ -6,7 +6,24 @@ import pytest
 
 import keras_memguard
 
-LIMIT = 96 << 20  # A limit the suite's allocator never reaches.
+# Room for the trials above what is in use: a limit the suite's allocator
+# never reaches.
+ROOM = 96 << 20
+
+
+def room_limit():
+    """What is in use in this process now plus `ROOM`.
+
+    Earlier tests may leave memory in use (tens of MiB, garbage not yet
+    collected): a fixed limit would leave the search less room in the full
+    suite than alone.
+    """
+    import gc
+
+    import tensorflow as tf
+
+    gc.collect()
+    return tf.config.experimental.get_memory_info("CPU:0")["current"] + ROOM
 
 
 def bn_dropout_model():
@@ -44,22 +61,23 @@ def test_trials_stay_under_the_limit_and_everything_is_put_back():
     x, y = data()
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # Slots and counters in use.
     before = state_of(model)
+    limit = room_limit()
     result = keras_memguard.find_batch_size(
-        model, x, y, batch_size=4096, memory_limit=LIMIT, verbose=0
+        model, x, y, batch_size=4096, memory_limit=limit, verbose=0
     )
     after = state_of(model)
     assert len(before) == len(after)
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
     assert result.out_of_memory_errors == 0
-    assert result.limit_bytes == LIMIT
+    assert result.limit_bytes == limit
     # The answer ran: a trial at that batch, its peak under the threshold.
     ran = {t.batch_size: t for t in result.trials}
     assert result.largest_batch_size in ran
     assert result.measured_peak_bytes == ran[result.largest_batch_size].peak_bytes
     # Under the threshold, unless the last step was rounded up past it.
     last = result.trials[-1]
-    assert result.measured_peak_bytes <= 0.95 * LIMIT or last.batch_size == result.largest_batch_size
+    assert result.measured_peak_bytes <= 0.95 * limit or last.batch_size == result.largest_batch_size
     assert result.largest_batch_size > len(x)  # Samples repeated for larger trials.
     # Fewer steps than doubling from 4 to the answer would take.
     doublings = int(np.ceil(np.log2(result.largest_batch_size / 4))) + 1
@@ -72,7 +90,7 @@ def test_trials_stay_under_the_limit_and_everything_is_put_back():
 def test_training_after_the_search_is_training_without_it():
     x, y = data()
     searched, plain = bn_dropout_model(), bn_dropout_model()
-    keras_memguard.find_batch_size(searched, x, y, memory_limit=LIMIT, verbose=0)
+    keras_memguard.find_batch_size(searched, x, y, memory_limit=room_limit(), verbose=0)
     keras.utils.set_random_seed(1)
     searched.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     keras.utils.set_random_seed(1)
@@ -84,7 +102,9 @@ def test_training_after_the_search_is_training_without_it():
 def test_a_batch_that_fits_whole_needs_one_micro_batch():
     model = bn_dropout_model()
     x, y = data()
-    result = keras_memguard.find_batch_size(model, x, y, batch_size=2, memory_limit=LIMIT, verbose=0)
+    result = keras_memguard.find_batch_size(
+        model, x, y, batch_size=2, memory_limit=room_limit(), verbose=0
+    )
     assert result.micro_batches == 1 and result.batch_size == 2
 
 
@@ -101,7 +121,7 @@ def test_bad_arguments_say_what_is_valid(kwargs, message):
     model = bn_dropout_model()
     x, y = data(8)
     with pytest.raises(ValueError) as error:
-        keras_memguard.find_batch_size(model, x, y, memory_limit=LIMIT, **kwargs)
+        keras_memguard.find_batch_size(model, x, y, memory_limit=ROOM, **kwargs)
     assert message in str(error.value)
 
 
@@ -132,12 +152,7 @@ def test_a_train_step_of_its_own_is_searched_as_it_trains():
     x = np.random.default_rng(0).random((32, 28, 28, 1), dtype=np.float32)
     model.fit(x, batch_size=16, epochs=1, verbose=0)
     before = state_of(model)
-    # Earlier tests may leave memory in use in this process: the limit is
-    # what is in use now plus room for the trials.
-    import tensorflow as tf
-
-    limit = tf.config.experimental.get_memory_info("CPU:0")["current"] + LIMIT
-    result = keras_memguard.find_batch_size(model, x, memory_limit=limit, verbose=0)
+    result = keras_memguard.find_batch_size(model, x, memory_limit=room_limit(), verbose=0)
     for a, b in zip(before, state_of(model)):
         np.testing.assert_array_equal(a, b)
     assert result.out_of_memory_errors == 0
