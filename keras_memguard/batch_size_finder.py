@@ -3,18 +3,27 @@
 Lightning's `BatchSizeFinder`, accelerate's `find_executable_batch_size`
 and transformers' `auto_find_batch_size` search by running out of memory
 on purpose (doubling, then halving or bisecting). `find_batch_size` plans
-every trial instead: it measures a few real training steps (the memory in
-use before each and its peak), fits the decider's memory model to them
-(`keras_memguard.decider`), and runs the next trial at a batch whose
-predicted peak closes half of the remaining gap to the target, so that a
-prediction that is off by less than that gap never crosses the limit. It
-stops when the predicted largest batch is within `tolerance` of the
-largest one measured, when a trial peaked above the target (it still counts:
-it ran) or ran out of memory after one that fit, or after one last step of half the tolerance
-once a larger trial peaked no higher than the one before (the allocator's
-rounding then sets the peak, and the next failure would come from memory
-in pieces, which the model cannot see). It returns the largest batch that
-ran, never one it only predicted.
+every trial instead from real training steps (the memory in use before
+each and its peak). The next trial closes half of the remaining gap
+between the largest trial's peak and the target, at the growth per sample
+between the last two trials, and never goes past the proportional bound:
+the batch at which the peak would reach the target if the step's memory
+above the gradients grew in proportion to the batch. A line through small
+trials is no guide far beyond them (a workspace that does not grow hides
+the samples' memory, which later grows faster than the first trials
+showed); the bound is, because a step's fixed part is at least its
+gradients. So the search grows geometrically while the peak is flat and
+closes in by halves near the top.
+
+It stops when the next step would add less than `tolerance`, when a
+trial peaked above the target (it still counts: it ran) or ran out of
+memory after one that fit, or after one last step of half the tolerance
+once a larger trial near the top peaked no higher than the one before (the
+allocator's rounding then sets the peak, and the next failure would come
+from memory in pieces, which no line can see). It returns the largest
+batch that ran, never one it only predicted. The decider's memory model,
+fitted to the trials, answers how many micro-batches a requested batch
+needs, never fewer than a micro-batch no larger than a batch that ran.
 
 Each trial is one call of the model's own train function on a batch
 packed as `fit` packs it, so a custom `train_step` is measured as it
@@ -54,6 +63,9 @@ FIRST_TRIAL = 4
 # Each later trial closes this share of the gap between the usage
 # measured and the target.
 GAP_SHARE = 0.5
+# A peak that stops growing counts as the allocator's rounding only above
+# this share of the target.
+STALL_SHARE = 0.5
 _MIB = 1024 * 1024
 
 
@@ -204,6 +216,8 @@ def find_batch_size(
         sample_bytes=oom_explanation.layer_output_bytes(model),
     )
     upper = max_batch_size or float("inf")
+    # The gradients: memory every step holds at once, whatever the batch.
+    floor = gradient_bytes(model)
     trials = []
     errors = 0
     stalled = False
@@ -248,34 +262,44 @@ def find_batch_size(
                     # It ran, but the allocator rounded it up past the
                     # prediction: a larger step would be a guess.
                     break
-            largest = _largest_fitting(state, sample_size, target - in_use, upper)
             measured = best[0] if best else 0
+            slope = _secant(trials)
+            bound = _proportional_bound(best, in_use, floor, target)
+            largest = min(
+                _batch_for(target, state, best, slope, sample_size, in_use, upper), bound
+            )
             if largest <= measured * (1.0 + tolerance) or largest < 1:
                 break
-            if _peaks_stalled(trials):
+            if _peaks_stalled(trials, target):
                 # A larger batch peaked no higher: the allocator's rounding,
                 # not the samples, sets the peak here, and what fails next
                 # (one large allocation with the memory in pieces) is
-                # beyond the memory model. One last step of half the
-                # tolerance, then no further guesses.
+                # beyond any line. One last step of half the tolerance,
+                # then no further guesses.
                 if stalled:
                     break
                 stalled = True
                 size = min(largest, int(measured * (1.0 + tolerance / 2)))
-                if size <= measured:
-                    break
+            else:
+                # Close half of the gap: a slope off by less than that
+                # stays under the target.
+                reached = best[1] if best else in_use
+                step_target = reached + GAP_SHARE * (target - reached)
+                size = _batch_for(step_target, state, best, slope, sample_size, in_use, upper)
+                # Never past the proportional bound: a peak can grow
+                # faster than the trials so far showed.
+                size = min(max(size, measured + 1), bound)
+            if size == float("inf"):
+                size = 2 * measured  # Neither a slope nor a bound: double.
+            size = int(size)
+            if size <= measured:
+                break
+            if size == bound:
+                predicted = _proportional_peak(best, in_use, floor, size)
+            elif slope:
+                predicted = best[1] + slope * (size - measured)
+            else:
                 predicted = in_use + _predicted(state, size, sample_size)
-                continue
-            # Close part of the gap: a wrong prediction then stays under it.
-            usage = (peak if peak is not None else in_use) / limit
-            step_target = in_use + _predicted(state, measured or size, sample_size)
-            step_target = max(step_target, usage * limit)
-            step_target += GAP_SHARE * (target - step_target)
-            size = _largest_fitting(state, sample_size, step_target - in_use, upper)
-            size = max(size, measured + 1)
-            if largest - size <= tolerance * largest:
-                size = largest
-            predicted = in_use + _predicted(state, size, sample_size)
     finally:
         _restore_state(model, saved)
     if best is None:
@@ -296,7 +320,11 @@ def find_batch_size(
             state._replace(micro_batches=1),
             decider.Batch(batch_size, sample_size, last_in_use, limit),
         )
-        micro_batches = 1 if batch_size <= largest else decided.micro_batches
+        # Never a micro-batch larger than a batch that ran.
+        micro_batches = (
+            1 if batch_size <= largest
+            else max(decided.micro_batches, -(-batch_size // largest))
+        )
     return BatchSizeResult(
         largest_batch_size=largest,
         measured_peak_bytes=peak,
@@ -398,13 +426,85 @@ def _largest(samples, field):
     return float(max(values)) if values else 0.0
 
 
-def _peaks_stalled(trials):
-    """Whether the last two trials that ran grew in batch but not in peak."""
+def _peaks_stalled(trials, target):
+    """Whether the last two trials that ran grew in batch but not in peak.
+
+    Only near the top (a peak above half the target): lower down, the
+    order the step's ops happen to run in moves its peak by more than a
+    few samples do, and a stalled peak says nothing about rounding.
+    """
     ran = [t for t in trials if t.peak_bytes is not None]
     if len(ran) < 2:
         return False
     before, last = ran[-2], ran[-1]
-    return last.batch_size > before.batch_size and last.peak_bytes <= before.peak_bytes
+    return (
+        last.batch_size > before.batch_size
+        and before.peak_bytes >= last.peak_bytes > STALL_SHARE * target
+    )
+
+
+def _proportional_bound(best, in_use, floor, target):
+    """The largest batch under `target` if the step's memory grows in proportion.
+
+    The step's memory above `floor` (the gradients, held at every batch)
+    is taken to grow in proportion to the batch from the largest trial
+    that ran, `best`. A step's fixed part is at least the floor, so this
+    over-predicts where a line through the trials may under-predict: at
+    batches many times the ones measured, where activations, workspaces
+    and the allocator's rounding grow faster than the first trials showed.
+    """
+    line = _proportional_line(best, in_use, floor)
+    if line is None:
+        return float("inf")
+    base, per_sample = line
+    return int((target - base) / per_sample)
+
+
+def _proportional_peak(best, in_use, floor, size):
+    base, per_sample = _proportional_line(best, in_use, floor)
+    return base + per_sample * size
+
+
+def _proportional_line(best, in_use, floor):
+    """`(base, per sample)` of the proportional bound, or `None`."""
+    if best is None:
+        return None
+    size, peak, _ = best
+    grown = peak - in_use - floor
+    if grown <= 0:
+        grown, floor = peak - in_use, 0.0
+    if grown <= 0:
+        return None
+    return in_use + floor, grown / size
+
+
+def _secant(trials):
+    """Growth of the peak per sample between the last two trials that ran.
+
+    `None` before two ran (the decider's line, with its prior, is all there
+    is then); `0.0` where the peak did not grow (no slope to go by: the
+    proportional bound sets the step).
+    """
+    ran = [t for t in trials if t.peak_bytes is not None]
+    if len(ran) < 2:
+        return None
+    before, last = ran[-2], ran[-1]
+    if last.batch_size <= before.batch_size:
+        return 0.0
+    return max(last.peak_bytes - before.peak_bytes, 0.0) / (last.batch_size - before.batch_size)
+
+
+def _batch_for(peak, state, best, slope, sample_size, in_use, upper):
+    """The largest batch predicted to peak under `peak`.
+
+    From the largest trial that ran along the secant where there is one;
+    from the decider's line (fitted to the trials over its prior) before.
+    """
+    if best is None or slope is None:
+        return _largest_fitting(state, sample_size, peak - in_use, upper)
+    if slope <= 0:
+        return upper
+    return min(upper, best[0] + int(max(peak - best[1], 0.0) / slope))
 
 
 def _predicted(state, size, sample_size):

@@ -27,7 +27,10 @@ def main():
         "peak": found.measured_peak_bytes,
         "limit": found.limit_bytes,
         "errors": found.out_of_memory_errors,
-        "trials": [t.batch_size for t in found.trials],
+        "trials": [
+            [t.batch_size, t.in_use_bytes, t.peak_bytes, t.predicted_peak_bytes]
+            for t in found.trials
+        ],
         "micro_batches": found.micro_batches,
         "iterations": int(model.optimizer.iterations.numpy()),
     }
