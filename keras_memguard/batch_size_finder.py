@@ -17,10 +17,10 @@ closes in by halves near the top.
 
 It stops when the next step would add less than `tolerance`, when a
 trial peaked above the target (it still counts: it ran) or ran out of
-memory after one that fit, or after one last step of half the tolerance
-once a larger trial near the top peaked no higher than the one before (the
-allocator's rounding then sets the peak, and the next failure would come
-from memory in pieces, which no line can see). It returns the largest
+memory after one that fit, or once a larger trial near the top peaked no
+higher than the one before (a block the allocator rounded up then sets the
+peak, and the batch that outgrows it jumps past what any line through the
+peaks can see). It returns the largest
 batch that ran, never one it only predicted. The decider's memory model,
 fitted to the trials, answers how many micro-batches a requested batch
 needs, never fewer than a micro-batch no larger than a batch that ran.
@@ -220,7 +220,6 @@ def find_batch_size(
     floor = gradient_bytes(model)
     trials = []
     errors = 0
-    stalled = False
     best = None  # (batch_size, peak, predicted)
     try:
         size = int(min(FIRST_TRIAL, upper))
@@ -271,24 +270,20 @@ def find_batch_size(
             if largest <= measured * (1.0 + tolerance) or largest < 1:
                 break
             if _peaks_stalled(trials, target):
-                # A larger batch peaked no higher: the allocator's rounding,
-                # not the samples, sets the peak here, and what fails next
-                # (one large allocation with the memory in pieces) is
-                # beyond any line. One last step of half the tolerance,
-                # then no further guesses.
-                if stalled:
-                    break
-                stalled = True
-                size = min(largest, int(measured * (1.0 + tolerance / 2)))
-            else:
-                # Close half of the gap: a slope off by less than that
-                # stays under the target.
-                reached = best[1] if best else in_use
-                step_target = reached + GAP_SHARE * (target - reached)
-                size = _batch_for(step_target, state, best, slope, sample_size, in_use, upper)
-                # Never past the proportional bound: a peak can grow
-                # faster than the trials so far showed.
-                size = min(max(size, measured + 1), bound)
+                # A larger batch peaked no higher: a block the allocator
+                # rounded up, not the samples, sets the peak here, and the
+                # batch that outgrows it jumps past any line (a few samples
+                # more ran out of memory 100 MiB above the plateau). No
+                # further guesses.
+                break
+            # Close half of the gap: a slope off by less than that stays
+            # under the target.
+            reached = best[1] if best else in_use
+            step_target = reached + GAP_SHARE * (target - reached)
+            size = _batch_for(step_target, state, best, slope, sample_size, in_use, upper)
+            # Never past the proportional bound: a peak can grow faster
+            # than the trials so far showed.
+            size = min(max(size, measured + 1), bound)
             if size == float("inf"):
                 size = 2 * measured  # Neither a slope nor a bound: double.
             size = int(size)
