@@ -12,6 +12,7 @@ import keras
 import keras_memguard
 from helpers import SampleCount
 from keras_memguard import decider
+from keras_memguard.callbacks import tf_run
 from keras_memguard.callbacks.sampling import shared_reader
 from keras_memguard.testing import run_with_memory_cap
 from keras_memguard.training.replay import ReplayTrainFunction
@@ -225,17 +226,18 @@ def test_each_batch_runs_at_the_deciders_count_and_an_unchanged_plan_is_reused(
         decider, "plan", lambda *args: computed.append(args) or real_plan(*args)
     )
     planned = []
-    plan_batch = guard._plan_batch
+    plan_batch = tf_run.TfTrainingRun.plan_batch
 
-    def checked_plan_batch(batch_size, sample_size, data):
-        k = plan_batch(batch_size, sample_size, data)
+    def checked_plan_batch(run, batch_size, sample_size, data):
+        k = plan_batch(run, batch_size, sample_size, data)
         batch = decider.Batch(
-            batch_size, sample_size, guard._before, guard.controller.limit_bytes
+            batch_size, sample_size, run._before, guard.controller.limit_bytes
         )
         planned.append((k, real_plan(guard.config, guard.state, batch)[0].micro_batches))
         return k
 
-    guard._plan_batch = checked_plan_batch  # the guard hands it to its function
+    # The run hands its `plan_batch` to the replaying function.
+    monkeypatch.setattr(tf_run.TfTrainingRun, "plan_batch", checked_plan_batch)
     model.fit(x, y, batch_size=50, epochs=2, verbose=0, callbacks=[guard])
     assert len(planned) == 8
     assert all(k == fresh for k, fresh in planned), planned

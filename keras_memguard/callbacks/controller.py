@@ -12,6 +12,7 @@ import logging
 import os
 
 from keras_memguard import decider
+from keras_memguard import plan_cache
 from keras_memguard.callbacks import messages
 
 logger = logging.getLogger("keras_memguard")
@@ -29,6 +30,8 @@ class GuardController:
         micro_batches: The count to start with, or `None` for the
             decider's default (`first_split` when planning, else 1).
         escalate: The rungs the guard may climb, a tuple of names.
+        backup_dir: The directory `save_state` writes to and `load_state`
+            reads from, or `None` to keep the state in memory only.
 
     Example:
 
@@ -39,8 +42,9 @@ class GuardController:
     8
     """
 
-    def __init__(self, config, micro_batches=None, escalate=()):
+    def __init__(self, config, micro_batches=None, escalate=(), backup_dir=None):
         self.config = config
+        self.backup_dir = backup_dir
         self.state = decider.init(config, micro_batches)
         self.escalate = tuple(escalate)
         self.limit_bytes = None
@@ -49,6 +53,9 @@ class GuardController:
         self.rungs_refused = {}
         # The last plan: (state, batch_size, sample_size, in_use, k).
         self._memo = None
+        # The plan cache entry this set-up's state is kept under, or None.
+        self.plan_key = None
+        self._plan_fields = None
 
     def start(self, limit_bytes, fixed_bytes=0.0, sample_bytes=0.0, state=None):
         """Starts a `fit`: the limit planned against, and what is known.
@@ -154,6 +161,29 @@ class GuardController:
             readings=(), failures=(), failed_allocation=None, shapes=()
         )
         self._memo = None
+
+    def load_plan(self, fields):
+        """Keys the plan cache by the set-up `fields`; its saved state, or `None`."""
+        self._plan_fields = fields
+        self.plan_key = plan_cache.setup_key(fields)
+        state = plan_cache.load(self.plan_key, fields)
+        if state is not None:
+            messages.log_cached_plan(len(state.readings), plan_cache.path_for(self.plan_key))
+        return state
+
+    def save_plan(self):
+        """Writes the state to the plan cache entry, where there is one."""
+        if self.plan_key is not None:
+            plan_cache.save(self.plan_key, self._plan_fields, self.state)
+
+    def save_state(self, step):
+        """`save` to `backup_dir`, where there is one."""
+        if self.backup_dir is not None:
+            self.save(self.backup_dir, step)
+
+    def load_state(self):
+        """`load` from `backup_dir`: its batch counter, or `None`."""
+        return self.load(self.backup_dir) if self.backup_dir is not None else None
 
     def save(self, directory, step):
         """Writes the state and the batch counter to `directory` atomically."""

@@ -31,6 +31,7 @@ import weakref
 from keras_memguard import decider
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks import messages
+from keras_memguard.callbacks import oom_report
 from keras_memguard.callbacks.controller import GuardController
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.jax_training.compiled import StepCache
@@ -118,6 +119,11 @@ class JaxTrainingRun:
         """Samples in the batch that ran last, or `None`."""
         return self.function.last_batch_size if self.function else None
 
+    def micro_batch_size(self, micro_batches):
+        """Samples in one micro-batch, or `None`."""
+        size = self.last_batch_size
+        return -(-size // micro_batches) if size else None
+
     def begin(self):
         """Checks the model and options; installs the replaying function."""
         model = self.model
@@ -126,6 +132,9 @@ class JaxTrainingRun:
             raise UnsupportedTrainingSetupError(reason)
         check_supported(model)
         guard = self.guard
+        if not guard._started:
+            guard.controller.start(self.limit_bytes, 0, 0)
+            guard._started = True
         self.function = ReplayingTrainFunction(
             model,
             micro_batches=guard.micro_batches,
@@ -213,8 +222,8 @@ class JaxTrainingRun:
             )
         )
         if decided.cannot_split is not None:
-            raise self.guard._cannot_split_error(
-                decided, batch_size, failure.micro_batches
+            raise oom_report.cannot_split_error(
+                self.guard, decided, batch_size, failure.micro_batches
             ) from failure.error
         k = min(decided.micro_batches, batch_size)
         messages.log_replay(batch_size, failure.micro_batches, k, str(-(-batch_size // k)))
@@ -248,6 +257,13 @@ class JaxTrainingRun:
 _KEPT_INFERENCE = weakref.WeakKeyDictionary()
 
 _FUNCTIONS = {"evaluate": SlicedTestFunction, "predict": SlicedPredictFunction}
+
+
+def inference_run(guard, kind):
+    """Starts the run of an `evaluate` or `predict` call under `guard`."""
+    run = JaxInferenceRun(guard, kind, min(l for l in guard._limits if l))
+    run.begin()
+    return run
 
 
 class JaxInferenceRun:

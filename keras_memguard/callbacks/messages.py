@@ -25,6 +25,16 @@ def log_plan(decided, batch_size):
     )
 
 
+def log_cached_plan(readings, path):
+    """INFO: planning starts from an earlier run's measurements."""
+    logger.info(
+        "planning from %d measurement%s of an earlier run (%s)",
+        readings,
+        "" if readings == 1 else "s",
+        path,
+    )
+
+
 def log_decision(decided, micro_batch_text):
     """INFO: a count changed by a batch's peak (reacting mode)."""
     micro = f" (micro-batch {micro_batch_text})" if micro_batch_text else ""

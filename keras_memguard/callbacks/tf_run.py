@@ -1,0 +1,458 @@
+"""`MemoryGuard` on TensorFlow: the glue for one `fit`.
+
+Puts the replaying train function (`training/replay.py`, or the
+multi-worker one) inside the model's logs carrier, plans each batch before
+it runs from the memory in use right then, gives the decider each batch's
+peak after it, replays a batch that ran out of memory with the count the
+decider gives (or raises `MicroBatchTooLargeError`), climbs the rungs of
+`escalate`, and slices `fit`'s validation batches that run out of memory.
+The decisions are the controller's (`callbacks/controller.py`, over the
+pure `keras_memguard.decider`); what outlives one `fit` (the controller,
+the plan cache key, the step count, the writer) stays on the guard.
+"""
+
+import functools
+
+import keras
+
+from keras_memguard import decider
+from keras_memguard import oom_explanation
+from keras_memguard.callbacks import agreement
+from keras_memguard.callbacks import inference
+from keras_memguard.callbacks import logs_carrier
+from keras_memguard.callbacks import messages
+from keras_memguard.callbacks import oom_report
+from keras_memguard.callbacks.controller import GuardController
+from keras_memguard.errors import UnsupportedTrainingSetupError
+from keras_memguard.probes import region
+from keras_memguard.probes.tf_allocator import cpu_bfc_limit_bytes
+from keras_memguard.training import compat
+from keras_memguard.training import multi_worker
+from keras_memguard.training import remat
+from keras_memguard.training.eval_replay import ReplayTestFunction
+from keras_memguard.training.mixin import MemGuardMixin
+from keras_memguard.training.predict_replay import ReplayPredictFunction
+from keras_memguard.training.replay import ReplayTrainFunction
+from keras_memguard.training.setup import describe_setup
+from keras_memguard.training.setup import gradient_bytes
+from keras_memguard.training.step import trains_with_own_step
+
+# A batch size no real batch reaches: the bound when the size is unknown.
+_UNKNOWN_BATCH_SIZE = 1 << 30
+
+
+class TfTrainingRun:
+    """One `fit` of a TensorFlow-backend model under `MemoryGuard`.
+
+    Args:
+        guard: The `MemoryGuard` (its controller, reader, limits, writer
+            and options).
+        log_key: The logs key the micro-batch count is reported under.
+    """
+
+    def __init__(self, guard, log_key):
+        self.guard = guard
+        self.model = guard.model
+        self.log_key = log_key
+        self.function = None
+        self.multi_worker = False
+        self._carrier = None
+        self._previous_inner = None
+        # Whether the carrier ran this batch's bookkeeping already.
+        self._contributed = False
+        self._eval_function = None
+        self._base_learning_rate = None
+        # Memory in use right before the batch that runs now.
+        self._before = None
+        # Under several workers: the agreed memory in use after the last
+        # batch, planned from before the next.
+        self._agreed_in_use = None
+        self._last_batch = -1
+
+    def begin(self):
+        """Checks the model, starts the decider where no plan hook will, installs."""
+        guard, model = self.guard, self.model
+        _check_model(model)
+        self.multi_worker = multi_worker.is_multi_worker(model.distribute_strategy)
+        carrier = logs_carrier.current(model)
+        if self.multi_worker and not guard._started:
+            if guard.config.predictive and trains_with_own_step(model):
+                # A step that cannot be split runs its collectives inside the
+                # micro-batch loop: every worker must keep the same count, so
+                # the workers react to agreed numbers after each batch.
+                guard.config = guard.config._replace(predictive=False)
+                guard.controller.config = guard.config
+                if not guard._has_restored_state:
+                    guard.controller.state = decider.init(
+                        guard.config, guard._start_micro_batches
+                    )
+            # The most constrained worker's limit; each worker's readings
+            # are scaled to it as fractions of its own limit.
+            guard.controller.start(
+                agreement.agreed_limit(model.distribute_strategy, guard._limits),
+                gradient_bytes(model),
+                oom_explanation.layer_output_bytes(model),
+            )
+            guard._started = True
+        elif not guard._started and not guard.plan:
+            # No plan hook runs first: start from what is known now.
+            guard.controller.start(min(l for l in guard._limits if l), gradient_bytes(model))
+            guard._started = True
+        options = dict(
+            micro_batches=guard.micro_batches,
+            mode=guard.mode,
+            on_out_of_memory=self.on_out_of_memory,
+        )
+        if self.multi_worker:
+            # Makes Keras' symbolic build and log reduction work across
+            # workers; resets the train and test functions.
+            multi_worker.prepare_multi_worker(model)
+            logs_carrier.reinstall(model, carrier, model.train_function)
+            plan = self.plan_batch if guard.config.predictive else None
+            self.function = multi_worker.MultiWorkerTrainFunction(model, plan=plan, **options)
+        else:
+            self.function = ReplayTrainFunction(model, plan=self.plan_batch, **options)
+        if guard.reserve_memory and (guard.plan or guard.escalate) and not self.multi_worker:
+            # A rung climbed after an out-of-memory error needs it too: in a
+            # grown allocator the error leaves no piece large enough.
+            _reserve_regions(guard._reader.probe)
+        # The guard's function trains inside the model's logs carrier.
+        self._carrier = logs_carrier.attach(model, guard, self._contribute, guard.params)
+        self._previous_inner = self._carrier.inner
+        self._carrier.inner = self.function
+        self.apply(guard.micro_batches)
+        # The allocator's dump at an out-of-memory error explains it.
+        guard._dumps = oom_explanation.MemoryDumpCapture()
+
+    def end(self):
+        """Puts the train and test functions and the learning rate back."""
+        carrier = self._carrier
+        if carrier is not None and carrier.inner is self.function:
+            carrier.inner = self._previous_inner
+        logs_carrier.detach(self.model, self.guard)
+        self._carrier = None
+        self.end_validation()
+        if self._base_learning_rate is not None:
+            self.model.optimizer.learning_rate.assign(self._base_learning_rate)
+            self._base_learning_rate = None
+
+    def begin_epoch(self):
+        self._last_batch = -1
+
+    def after_train_batch(self, batch, logs):
+        """Keras' batch hook: the bookkeeping, unless the carrier did it."""
+        if self._contributed:
+            self._contributed = False
+            return
+        # No carrier (the train function was replaced after on_train_begin).
+        self._after_batch(batch, logs, (id(logs), batch))
+
+    def begin_validation(self):
+        """Slices `fit`'s validation batches that run out of memory."""
+        # Several replicas: Keras' own test function (slices are cut in Python).
+        if not ReplayTestFunction.supports(self.model):
+            return
+        self._eval_function = ReplayTestFunction(
+            self.model,
+            micro_batches=self.guard.eval_micro_batches,
+            on_out_of_memory=self.on_eval_out_of_memory,
+        )
+        self._eval_function.install()
+
+    def end_validation(self):
+        if self._eval_function is not None:
+            self._eval_function.restore()
+            self._eval_function = None
+
+    def micro_batch_size(self, micro_batches):
+        """Samples in one micro-batch of one replica, or `None`."""
+        size = self.function.last_replica_batch_size if self.function else None
+        return -(-size // micro_batches) if size else None
+
+    # Each batch: plan before it, observe after it.
+
+    def plan_batch(self, batch_size, sample_size, data):
+        """The count the batch about to run gets (the function's `plan`)."""
+        guard = self.guard
+        controller = guard.controller
+        if not guard._started:
+            self._start(data)
+        reader = guard._reader
+        if self.multi_worker:
+            if self._agreed_in_use is None:
+                # The first batch: every worker reads and agrees now (the
+                # read also resets the peak, as below).
+                _, self._agreed_in_use = self._agreed_usage(reader.read(guard, None))
+            # What every worker agreed on after the last batch.
+            before = self._before = self._agreed_in_use
+        else:
+            # Reading resets the peak: the batch's own peak is read after it.
+            self._before = before = self._in_use(reader.read(guard, None))
+        k = controller.plan(batch_size, sample_size, before)
+        if (
+            k >= batch_size
+            and guard.escalate
+            and not controller.one_sample_fits(batch_size, sample_size, before)
+            and self._climb(
+                "one sample per micro-batch is predicted not to fit a batch of "
+                f"{batch_size}"
+            )
+        ):
+            k = controller.plan(batch_size, sample_size, before)
+        if k != self.function.micro_batches:
+            self.apply(k)
+        return k
+
+    def _contribute(self, logs):
+        """Observes after each train function call; adds the count to `logs`.
+
+        Called by the model's `LogsCarrier` before Keras hands the logs to
+        the callbacks, so every callback sees the value.
+        """
+        # The batch number Keras 3.15 passes to on_train_batch_end: the
+        # execution's last step.
+        steps = self.model.steps_per_execution or 1
+        self._after_batch(self._last_batch + steps, logs, self._carrier.batch_key)
+        self._contributed = True
+
+    def _after_batch(self, batch, logs, key):
+        """Gives the decider the batch's peak; applies a reacting change."""
+        guard = self.guard
+        guard._step += batch - self._last_batch
+        self._last_batch = batch
+        samples = guard._reader.read(guard, key)
+        peak, limit = self._peak(samples)
+        function = self.function
+        if function is not None and limit:
+            ran_with = function.micro_batches
+            if self.multi_worker:
+                # The same numbers at the same step on every worker.
+                peak, self._agreed_in_use = self._agreed_usage(samples)
+                limit = guard.controller.limit_bytes
+            decided = guard.controller.observe(
+                decider.Reading(
+                    function.last_replica_batch_size or _UNKNOWN_BATCH_SIZE,
+                    ran_with,
+                    getattr(function, "last_sample_size", None) or 1.0,
+                    self._before,
+                    peak,
+                    limit,
+                )
+            )
+            if decided.changed:
+                messages.log_decision(decided, self._micro_batch_text(decided.micro_batches))
+                self.apply(decided.micro_batches)
+                guard._save_state()
+        if logs is not None:
+            logs[self.log_key] = guard.micro_batches
+        if guard._writer is not None:
+            guard._write_scalars()
+
+    def _peak(self, samples):
+        """`(peak, limit)` of the device nearest its limit, or `(None, limit)`."""
+        usage = None
+        found = (None, self.guard.controller.limit_bytes)
+        for sample, device_limit in zip(samples, self.guard._limits):
+            peak = sample.peak_bytes
+            if peak is None or not device_limit:
+                continue
+            if usage is None or peak / device_limit > usage:
+                usage = peak / device_limit
+                found = (float(peak), float(device_limit))
+        return found
+
+    def _agreed_usage(self, samples):
+        guard = self.guard
+        return agreement.agreed_usage(
+            self.model.distribute_strategy, samples, guard._limits, guard.controller.limit_bytes
+        )
+
+    def _in_use(self, samples):
+        """Memory in use on the device planned against, or `None`."""
+        limit = self.guard.controller.limit_bytes
+        in_use = None
+        for sample, device_limit in zip(samples, self.guard._limits):
+            if device_limit == limit and sample.current_bytes is not None:
+                in_use = max(in_use or 0.0, float(sample.current_bytes))
+        return in_use
+
+    def _start(self, data):
+        """Starts the decider for this `fit`: limit, fixed bytes, plan cache."""
+        guard = self.guard
+        state = None
+        if guard.plan and guard.plan_cache and not guard._has_restored_state:
+            fields = describe_setup(
+                self.model, data, guard._reader.probe.devices, guard._limits, guard.mode
+            )
+            state = guard.controller.load_plan(fields)
+        guard.controller.start(
+            min(l for l in guard._limits if l),
+            gradient_bytes(self.model),
+            oom_explanation.layer_output_bytes(self.model),
+            state,
+        )
+        guard._started = True
+
+    # Out of memory.
+
+    def on_out_of_memory(self, batch_size, micro_batches, error):
+        """Chooses the micro-batch count to replay a batch with, or raises."""
+        guard = self.guard
+        function = self.function
+        # Each replica splits its own part of the (global) batch.
+        replica_batch_size = function.last_replica_batch_size or batch_size
+        explanation = oom_report.explain(guard, error, replica_batch_size, micro_batches)
+        failure = decider.Failure(
+            replica_batch_size or _UNKNOWN_BATCH_SIZE,
+            micro_batches,
+            getattr(function, "last_sample_size", None) or 1.0,
+            self._before,
+            guard.controller.limit_bytes,
+            explanation.in_use_bytes,
+            explanation.failed_allocation_bytes,
+            explanation.failed_shape,
+            explanation.largest_free_chunk_bytes,
+        )
+        if self.multi_worker:
+            failure = agreement.agreed_failure(
+                self.model.distribute_strategy,
+                failure,
+                min(l for l in guard._limits if l),
+                guard.controller.limit_bytes,
+            )
+        decided = guard.controller.fail(failure)
+        if (
+            decided.cannot_split == decider.CANNOT_SPLIT_BATCH_SIZE
+            and guard.escalate
+            and self._climb(
+                f"batch {batch_size} ran out of memory at one sample per micro-batch"
+            )
+        ):
+            guard.controller.count_replay()
+            guard.controller.set_micro_batches(micro_batches)
+            oom_report.report(guard, explanation._replace(replayed_with=micro_batches))
+            guard._save_state()
+            return micro_batches
+        if decided.cannot_split:
+            oom_report.report(guard, explanation)
+            raise oom_report.cannot_split_error(
+                guard, decided, batch_size, micro_batches
+            ) from error
+        new_k = decided.micro_batches
+        oom_report.report(guard, explanation._replace(replayed_with=new_k))
+        messages.log_replay(batch_size, micro_batches, new_k, self._micro_batch_text(new_k))
+        self.apply(new_k)
+        guard._save_state()
+        guard._save_plan()
+        return new_k
+
+    def on_eval_out_of_memory(self, batch_size, micro_batches, error):
+        """Chooses the slice count to go on evaluating with, or raises.
+
+        Only evaluation's count changes; training's `k` and
+        `oom_recoveries` stay as they are.
+        """
+        guard = self.guard
+        decided = guard.controller.fail_evaluation(batch_size or 1, micro_batches)
+        if decided.cannot_split:
+            raise oom_report.cannot_split_error(
+                guard, decided, batch_size, micro_batches, evaluating=True
+            ) from error
+        new_k = decided.micro_batches
+        done = self._eval_function.samples_done if self._eval_function else 0
+        messages.log_eval_slices(batch_size, micro_batches, done, new_k, guard.micro_batches)
+        guard._save_state()
+        return new_k
+
+    def _climb(self, why):
+        """Switches on the next rung of `escalate`; whether one was."""
+        guard, model = self.guard, self.model
+        rung = guard.controller.next_rung(lambda rung: remat.can_remat(model))
+        if rung is None:
+            return False
+        segments = remat.switch_on(model)
+        messages.log_rung(rung, why, segments, remat.SEGMENT_LAYERS)
+        if guard.plan:
+            # What was learned holds for the step without the rung: kept
+            # in the cache (a next run climbs before its first batch), and
+            # the model starts over for the step with it.
+            guard._save_plan()
+            guard.controller.plan_key = None
+            guard.controller.restart_model()
+        return True
+
+    # Helpers.
+
+    def apply(self, micro_batches):
+        """Makes the next batch run with `micro_batches` micro-batches."""
+        if self.function is not None:
+            self.function.micro_batches = micro_batches
+        if isinstance(self.model, MemGuardMixin):
+            self.model.micro_batches = micro_batches
+        if self.guard.mode == "shrink" and self.guard.scale_learning_rate:
+            self._scale_learning_rate(micro_batches)
+
+    def _scale_learning_rate(self, micro_batches):
+        optimizer = self.model.optimizer
+        if compat.learning_rate_variable(optimizer) is None:
+            raise UnsupportedTrainingSetupError(messages.learning_rate_schedule())
+        if self._base_learning_rate is None:
+            self._base_learning_rate = float(optimizer.learning_rate)
+        optimizer.learning_rate.assign(self._base_learning_rate / micro_batches)
+
+    def _micro_batch_text(self, micro_batches):
+        size = self.micro_batch_size(micro_batches)
+        if size is None:
+            return None
+        function = self.function
+        if function.last_replica_batch_size != function.last_batch_size:
+            return f"{size} per replica"
+        return f"{size}"
+
+
+def inference_run(guard, kind):
+    """Starts the run of an `evaluate` or `predict` call; `None` where unsupported."""
+    model = guard.model
+    function_class = {
+        inference.EVALUATE: ReplayTestFunction,
+        inference.PREDICT: ReplayPredictFunction,
+    }[kind]
+    if not function_class.supports(model):
+        replicas = model.distribute_strategy.num_replicas_in_sync
+        messages.log_inference_unsupported(kind, replicas)
+        return None
+    controller = guard._inference_controllers.get(kind)
+    if controller is None:
+        controller = guard._inference_controllers[kind] = GuardController(guard.config)
+    if guard._dumps is None:
+        guard._dumps = oom_explanation.MemoryDumpCapture()
+    run = inference.InferenceRun(
+        kind,
+        model,
+        controller,
+        guard._reader,
+        guard,
+        guard._limits,
+        functools.partial(oom_report.explain, guard),
+        functools.partial(oom_report.report, guard),
+    )
+    run.start()
+    return run
+
+
+def _check_model(model):
+    trains_with_default_step = (
+        type(model).train_step is keras.Model.train_step or isinstance(model, MemGuardMixin)
+    )
+    if not trains_with_default_step:
+        raise UnsupportedTrainingSetupError(messages.own_train_step(type(model).__name__))
+
+
+def _reserve_regions(probe):
+    """One free region for the rest of each CPU BFC allocator's limit."""
+    limit = cpu_bfc_limit_bytes()
+    if limit is None:
+        return
+    for device in probe.devices:
+        if probe.device_mode(device) == "bfc":
+            region.reserve_region(device, limit)
