@@ -248,8 +248,9 @@ def step_peak_callback(guard=None):
         def on_train_batch_end(self, batch, logs=None):
             assert self._read, "the peak was not read after the train function"
             self.currents.append(self._current)
-            if guard is not None and guard._function is not None:
-                self.ks.append(guard._function.micro_batches)
+            run = guard._run if guard is not None else None
+            if run is not None and run.function is not None:
+                self.ks.append(run.function.micro_batches)
 
     return StepPeaks()
 
@@ -378,6 +379,7 @@ def child_peaks(task, tf):
 def child_recovery(task, tf):
     """Part 3: one guarded epoch under the cap, starting at `start_k`."""
     from keras_memguard import MemoryGuard
+    from keras_memguard.callbacks.tf_run import TfTrainingRun
     from keras_memguard.training.step import step_function
 
     kind, batch = "design_cnn", task["batch"]
@@ -399,19 +401,24 @@ def child_recovery(task, tf):
     # Limit from the cap (TF_CPU_BFC_MEM_LIMIT_IN_MB); reacting from start_k.
     guard = MemoryGuard(plan=False, micro_batches=task["start_k"])
     events = []
-    original = guard._on_out_of_memory
+    # The run made at train begin hands its bound method to the train
+    # function then: timed on the class, for this fit only.
+    original = TfTrainingRun.on_out_of_memory
 
-    def timed_on_out_of_memory(batch_size, micro_batches, error):
+    def timed_on_out_of_memory(run, batch_size, micro_batches, error):
         entered = time.perf_counter()
-        new_k = original(batch_size, micro_batches, error)
+        new_k = original(run, batch_size, micro_batches, error)
         events.append([entered, time.perf_counter(), micro_batches, new_k])
         return new_k
 
-    guard._on_out_of_memory = timed_on_out_of_memory
+    TfTrainingRun.on_out_of_memory = timed_on_out_of_memory
     timer = batch_timer_callback()
     peaks = step_peak_callback(guard)
     start = time.perf_counter()
-    model.fit(dataset, verbose=0, callbacks=[timer, peaks, guard])
+    try:
+        model.fit(dataset, verbose=0, callbacks=[timer, peaks, guard])
+    finally:
+        TfTrainingRun.on_out_of_memory = original
     fit_s = time.perf_counter() - start
     traces_after = {k: f.experimental_get_tracing_count() for k, f in functions.items()}
     return {

@@ -68,6 +68,7 @@ from keras_memguard.callbacks import logs_carrier  # noqa: E402
 from keras_memguard.callbacks.guard import MemoryGuard  # noqa: E402
 from keras_memguard.callbacks.monitor import MemoryMonitor  # noqa: E402
 from keras_memguard.callbacks.sampling import shared_reader  # noqa: E402
+from keras_memguard.callbacks.tf_run import TfTrainingRun  # noqa: E402
 from keras_memguard.probes.host import HostMemoryProbe  # noqa: E402
 from keras_memguard.probes.tf_allocator import AllocatorProbe  # noqa: E402
 
@@ -246,7 +247,7 @@ def fit_path(log_dir, with_guard, plan=False):
     iterator = None
     if plan:
         guard = callbacks[-1]
-        function = guard._function
+        function = guard._run.function
         function.step_for = lambda micro_batches: lambda data: train_logs
         function._state_built = True  # nothing to build for the stand-in
         guard.controller.start(min(limit for limit in guard._limits if limit))
@@ -278,7 +279,7 @@ def timed_hooks_in_fit(x, y, log_dir):
     their bound methods at train begin, so the wrappers are what runs).
     The guard's work before each step is timed from the call of its train
     function's `run` to the call of `step_for` (the batch's sizes and the
-    plan), and its plan hook (`_plan_batch`) on its own. One warm-up fit,
+    plan), and its plan hook (`TfTrainingRun.plan_batch`) on its own. One warm-up fit,
     then the medians over the batches of a second fit.
     """
     monitor = MemoryMonitor(log_dir=log_dir)
@@ -299,12 +300,15 @@ def timed_hooks_in_fit(x, y, log_dir):
             return result
 
         setattr(owner, name, timed)
+        wrapped.append((owner, name, inner))
+
+    wrapped = []
 
     class TimeBeforeStep(keras.callbacks.Callback):
         """After the guard's `on_train_begin`: wraps its train function."""
 
         def on_train_begin(self, logs=None):
-            function = guard._function
+            function = guard._run.function
             run, step_for = function.run, function.step_for
             times = durations.setdefault(
                 "MemoryGuard: before the step (batch sizes, plan)", []
@@ -330,14 +334,20 @@ def timed_hooks_in_fit(x, y, log_dir):
     # training step (cold caches), where the isolated figure is warm.
     wrap(shared_reader(model).probe, "sample", "  of which AllocatorProbe.sample()")
     wrap(monitor, "on_train_batch_end", "MemoryMonitor.on_train_batch_end")
-    wrap(guard, "_contribute", "MemoryGuard: after the train function")
+    # The guard's run is made at train begin and hands its bound methods to
+    # the carrier and the train function then: wrapped on the class.
+    wrap(TfTrainingRun, "_contribute", "MemoryGuard: after the train function")
     wrap(guard, "on_train_batch_end", "MemoryGuard.on_train_batch_end")
-    wrap(guard, "_plan_batch", "  of which MemoryGuard._plan_batch")
-    for _ in range(2):
-        for times in durations.values():
-            times.clear()
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
-                  callbacks=[monitor, guard, TimeBeforeStep()], shuffle=False)
+    wrap(TfTrainingRun, "plan_batch", "  of which TfTrainingRun.plan_batch")
+    try:
+        for _ in range(2):
+            for times in durations.values():
+                times.clear()
+            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                      callbacks=[monitor, guard, TimeBeforeStep()], shuffle=False)
+    finally:
+        for owner, name, inner in wrapped:
+            setattr(owner, name, inner)
     return {label: statistics.median(times) * 1e6 for label, times in durations.items()}
 
 

@@ -48,7 +48,6 @@ from keras_memguard.errors import MemoryLimitUnknownError
 from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.probes import region
 from keras_memguard.probes.tf_allocator import AllocatorProbe
-from keras_memguard.probes.tf_allocator import cpu_bfc_limit_bytes
 from keras_memguard.training.replay import sample_size_of
 from keras_memguard.training.setup import gradient_bytes
 from keras_memguard.training.step import build_training_state
@@ -205,7 +204,7 @@ def find_batch_size(
         )
     limit = float(min(limits))
     target = threshold * limit
-    _reserve_regions(probe)
+    region.reserve_bfc_regions(probe)
     first = _slice(arrays, 1)
     build_training_state(model, first)
     saved = _save_state(model)
@@ -408,18 +407,6 @@ def _trial(model, probe, batch):
     return in_use, _largest(probe.sample(), "peak_bytes"), seconds
 
 
-def _reserve_regions(probe):
-    """As `MemoryGuard` does: one free region for the rest of a CPU BFC limit.
-
-    Without it the allocator keeps the regions it grew for the small first
-    trials, and a larger trial fails with memory free but in pieces.
-    """
-    limit = cpu_bfc_limit_bytes()
-    if limit is None:
-        return
-    for device in probe.devices:
-        if probe.device_mode(device) == "bfc":
-            region.reserve_region(device, limit)
 
 
 def _largest(samples, field):

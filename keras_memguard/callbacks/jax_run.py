@@ -142,16 +142,15 @@ class JaxTrainingRun:
             plan=self._plan,
             on_out_of_memory=self._on_out_of_memory,
         )
-        self._carrier = logs_carrier.attach(model, guard, self._contribute, guard.params)
-        self._previous_inner = self._carrier.inner
-        self._carrier.inner = self.function
+        self._carrier, self._previous_inner = logs_carrier.train_inside(
+            model, guard, self._contribute, guard.params, self.function
+        )
 
     def end(self):
         """Puts the train function in place before back."""
-        carrier = self._carrier
-        if carrier is not None and carrier.inner is self.function:
-            carrier.inner = self._previous_inner
-        logs_carrier.detach(self.model, self.guard)
+        logs_carrier.leave(
+            self.model, self.guard, self._carrier, self.function, self._previous_inner
+        )
         self._carrier = None
         self.function = None
 

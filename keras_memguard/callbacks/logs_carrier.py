@@ -134,6 +134,26 @@ def attach(model, owner, contribute, fit=None):
     return carrier
 
 
+def train_inside(model, owner, contribute, fit, function):
+    """`attach`, then `function` runs inside the carrier in place of its inner one.
+
+    Returns:
+        `(carrier, previous)`: the `LogsCarrier` and the inner function
+        `leave` puts back.
+    """
+    carrier = attach(model, owner, contribute, fit)
+    previous = carrier.inner
+    carrier.inner = function
+    return carrier, previous
+
+
+def leave(model, owner, carrier, function, previous):
+    """Undoes `train_inside`: `previous` back inside (where `function` still is), then `detach`."""
+    if carrier is not None and carrier.inner is function:
+        carrier.inner = previous
+    detach(model, owner)
+
+
 def reinstall(model, carrier, original):
     """Puts `carrier` back after something replaced `model.train_function`.
 

@@ -25,7 +25,6 @@ from keras_memguard.callbacks import oom_report
 from keras_memguard.callbacks.controller import GuardController
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.probes import region
-from keras_memguard.probes.tf_allocator import cpu_bfc_limit_bytes
 from keras_memguard.training import compat
 from keras_memguard.training import multi_worker
 from keras_memguard.training import remat
@@ -115,21 +114,20 @@ class TfTrainingRun:
         if guard.reserve_memory and (guard.plan or guard.escalate) and not self.multi_worker:
             # A rung climbed after an out-of-memory error needs it too: in a
             # grown allocator the error leaves no piece large enough.
-            _reserve_regions(guard._reader.probe)
+            region.reserve_bfc_regions(guard._reader.probe)
         # The guard's function trains inside the model's logs carrier.
-        self._carrier = logs_carrier.attach(model, guard, self._contribute, guard.params)
-        self._previous_inner = self._carrier.inner
-        self._carrier.inner = self.function
+        self._carrier, self._previous_inner = logs_carrier.train_inside(
+            model, guard, self._contribute, guard.params, self.function
+        )
         self.apply(guard.micro_batches)
         # The allocator's dump at an out-of-memory error explains it.
         guard._dumps = oom_explanation.MemoryDumpCapture()
 
     def end(self):
         """Puts the train and test functions and the learning rate back."""
-        carrier = self._carrier
-        if carrier is not None and carrier.inner is self.function:
-            carrier.inner = self._previous_inner
-        logs_carrier.detach(self.model, self.guard)
+        logs_carrier.leave(
+            self.model, self.guard, self._carrier, self.function, self._previous_inner
+        )
         self._carrier = None
         self.end_validation()
         if self._base_learning_rate is not None:
@@ -446,13 +444,3 @@ def _check_model(model):
     )
     if not trains_with_default_step:
         raise UnsupportedTrainingSetupError(messages.own_train_step(type(model).__name__))
-
-
-def _reserve_regions(probe):
-    """One free region for the rest of each CPU BFC allocator's limit."""
-    limit = cpu_bfc_limit_bytes()
-    if limit is None:
-        return
-    for device in probe.devices:
-        if probe.device_mode(device) == "bfc":
-            region.reserve_region(device, limit)

@@ -29,6 +29,7 @@ and process; a failure is logged and not tried again.
 import logging
 
 from keras_memguard.probes.base import MIB
+from keras_memguard.probes.tf_allocator import cpu_bfc_limit_bytes
 
 logger = logging.getLogger("keras_memguard")
 
@@ -115,3 +116,19 @@ def reserve_region(device, limit_bytes):
         limit_bytes // MIB,
     )
     return size
+
+
+def reserve_bfc_regions(probe):
+    """One free region for the rest of each CPU BFC allocator's limit.
+
+    For each of `probe`'s devices in mode `"bfc"` (an `AllocatorProbe`),
+    when `TF_CPU_BFC_MEM_LIMIT_IN_MB` sets the CPU allocator's limit.
+    Without it the allocator keeps the regions it grew for small earlier
+    steps, and a larger one fails with memory free but in pieces.
+    """
+    limit = cpu_bfc_limit_bytes()
+    if limit is None:
+        return
+    for device in probe.devices:
+        if probe.device_mode(device) == "bfc":
+            reserve_region(device, limit)
