@@ -305,7 +305,7 @@ class MemoryGuard(keras.callbacks.Callback):
             self._writer.release(self)
 
     def on_epoch_begin(self, epoch, logs=None):
-        if BACKEND == "tensorflow" and self._run is not None:
+        if self._run is not None:
             self._run.begin_epoch()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -317,8 +317,7 @@ class MemoryGuard(keras.callbacks.Callback):
             self._writer.flush()
 
     def on_train_batch_end(self, batch, logs=None):
-        # On JAX the run's carrier contribution did the work.
-        if BACKEND == "tensorflow" and self._run is not None:
+        if self._run is not None:
             self._run.after_train_batch(batch, logs)
 
     def on_test_begin(self, logs=None):

@@ -119,6 +119,12 @@ class JaxTrainingRun:
         """Samples in the batch that ran last, or `None`."""
         return self.function.last_batch_size if self.function else None
 
+    def begin_epoch(self):
+        """Nothing at an epoch's start: steps are counted per call."""
+
+    def after_train_batch(self, batch, logs):
+        """Nothing in Keras' batch hook: the carrier's contribution did it."""
+
     def micro_batch_size(self, micro_batches):
         """Samples in one micro-batch, or `None`."""
         size = self.last_batch_size
