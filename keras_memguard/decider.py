@@ -42,6 +42,13 @@ remembers the count it ran with. It raises `k` at once when the batch is
 predicted not to fit; it lowers `k` only to a count predicted to fit with
 `HYSTERESIS` of the limit to spare, so a usage hovering near the threshold
 cannot make `k` flap, and batches of other sizes do not re-plan the shape.
+It does not raise `k` above the count the shape ran with while every batch
+measured at that count peaked under the target with as much memory in use
+before it as now: the model adds the highest demand to the highest memory
+in use, which never came together where an input pipeline's buffers fill
+before one step and during the next, and where the step's demand hardly
+shrinks with the micro-batch that sum swings around the target from batch
+to batch and would ratchet `k` up by noise alone.
 
 **Reacting** (`predictive=False`, or several workers that agree on each
 batch's numbers after it ran) is a configuration: `plan` keeps the count,
@@ -290,6 +297,11 @@ class DeciderState(NamedTuple):
         oom_count: Training batches replayed after an out-of-memory error.
         eval_micro_batches: The count validation batches are sliced into.
         eval_oom_count: Validation batches that ran out of memory.
+        peaks: `(work, peak_bytes, before_bytes)` of batches that ran: the
+            highest peak measured at each work of `readings` and the most
+            memory in use before a batch of that work, or recently held
+            outside the step (`outside_bytes`) then: the evidence that a
+            count fits.
     """
 
     micro_batches: int
@@ -305,6 +317,7 @@ class DeciderState(NamedTuple):
     oom_count: int
     eval_micro_batches: int
     eval_oom_count: int
+    peaks: Tuple[Tuple[float, float, float], ...] = ()
 
 
 def _is_int(value):
@@ -704,8 +717,18 @@ def plan(config, state, batch):
             target - HYSTERESIS * batch.limit_bytes - in_use,
         )
         k = min(ran_with, max(k, calm))
-    predicted = _usage(state, batch._replace(in_use_bytes=in_use), k)
-    if not fits:
+    measured = None
+    if ran_with is not None and k > ran_with:
+        measured = _measured_usage(config, state, batch, ran_with)
+        if measured is not None:
+            k = ran_with
+    predicted = measured or _usage(state, batch._replace(in_use_bytes=in_use), k)
+    if measured is not None:
+        why = HELD if k == previous else (
+            f"measured peak {_percent(measured)} of {_mib(batch.limit_bytes)} "
+            f"under target {_percent(config.threshold)} at this count"
+        )
+    elif not fits:
         why = "one sample per micro-batch: still over the target"
     elif k == previous:
         why = HELD  # the words only for a change: this runs every batch
@@ -715,6 +738,37 @@ def plan(config, state, batch):
             f"under target {_percent(config.threshold)}"
         )
     return Plan(k, previous, predicted, why), _remember(state, shape, k)
+
+
+def _measured_usage(config, state, batch, k):
+    """The usage measured at `k` for this batch, when it says `k` fits; else `None`.
+
+    The highest peak of the batches that ran at the same work, plus however
+    much more memory is in use now than before any of them, when that stays
+    under the target and no failure happened at or below the work.
+    """
+    if batch.in_use_bytes is None:
+        return None
+    work = -(-batch.batch_size // k) * batch.sample_size
+    entry = next((entry for entry in state.peaks if entry[0] == work), None)
+    if entry is None or any(failed <= work for failed, _ in state.failures):
+        return None
+    _, peak, before = entry
+    usage = (peak + max(0.0, batch.in_use_bytes - before)) / batch.limit_bytes
+    return usage if usage < config.threshold else None
+
+
+def _record_peak(state, readings, work, peak, before):
+    """`state.peaks` with this batch's peak and memory in use before it."""
+    peaks = state.peaks
+    old = next((entry for entry in peaks if entry[0] == work), None)
+    if old is not None and old[1] >= peak and old[2] >= before:
+        return peaks
+    if old is not None:
+        peak, before = max(peak, old[1]), max(before, old[2])
+    works = {w for w, _ in readings}
+    kept = [entry for entry in peaks if entry[0] != work and entry[0] in works]
+    return tuple(sorted(kept + [(work, peak, before)]))
 
 
 def one_sample_fits(config, state, batch):
@@ -788,11 +842,19 @@ def observe(config, state, reading):
     readings = state.readings
     if next((d for w, d in readings if w == work), -1.0) < demand:
         readings = _record(readings, work, demand, MAX_READINGS)
+    # The memory outside the step that came and went in recent batches was
+    # there around this one too (a pipeline's buffer fills before one step
+    # or during it): the peak was measured with that much in use.
+    peaks = _record_peak(state, readings, work, float(peak), max(before, state.outside_bytes))
     outside = max(before, state.outside_bytes - OUTSIDE_DECAY * reading.limit_bytes, 0.0)
-    if readings is state.readings and outside == state.outside_bytes:
+    if (
+        readings is state.readings
+        and peaks is state.peaks
+        and outside == state.outside_bytes
+    ):
         updated = state
     else:
-        updated = state._replace(readings=readings, outside_bytes=outside)
+        updated = state._replace(readings=readings, peaks=peaks, outside_bytes=outside)
     if config.predictive:
         return Plan(k, k, None, HELD), updated
     return _react(config, updated, reading)
@@ -906,6 +968,7 @@ def fail(config, state, failure):
         failures=failures,
         outside_bytes=max(state.outside_bytes, before),
         readings=tuple((w, d) for w, d in state.readings if w < work),
+        peaks=tuple(entry for entry in state.peaks if entry[0] < work),
         failed_allocation=None if shape is None else (shape, micro),
         batches_since_change=0,
         calm_batches=0,
@@ -1056,6 +1119,7 @@ def to_dict(state):
         "oom_count": state.oom_count,
         "eval_micro_batches": state.eval_micro_batches,
         "eval_oom_count": state.eval_oom_count,
+        "peaks": [list(entry) for entry in state.peaks],
     }
 
 
@@ -1153,7 +1217,19 @@ def from_dict(data):
                 f"Received: {entry!r}"
             )
         remembered.append(((int(entry[0][0]), float(entry[0][1])), int(entry[1])))
+    peaks = data.get("peaks", [])  # absent from files written before it
+    if not isinstance(peaks, list) or len(peaks) > MAX_READINGS or not all(
+        isinstance(entry, list)
+        and len(entry) == 3
+        and all(_is_real(v) and 0 <= v < math.inf for v in entry)
+        for entry in peaks
+    ):
+        raise ValueError(
+            f"`peaks` must be a list of at most {MAX_READINGS} [work, peak, before] "
+            f"triples of numbers >= 0. Received: peaks={peaks!r}"
+        )
     return DeciderState(
+        peaks=tuple(sorted(tuple(float(v) for v in entry) for entry in peaks)),
         readings=_pairs(data, "readings", MAX_READINGS),
         failures=_pairs(data, "failures", MAX_FAILURES),
         failed_allocation=allocation,

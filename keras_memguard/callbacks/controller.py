@@ -158,7 +158,7 @@ class GuardController:
     def restart_model(self):
         """Forgets the memory model (the step changed, e.g. a rung is on)."""
         self.state = self.state._replace(
-            readings=(), failures=(), failed_allocation=None, shapes=()
+            readings=(), peaks=(), failures=(), failed_allocation=None, shapes=()
         )
         self._memo = None
 
