@@ -17,7 +17,9 @@ pytestmark = pytest.mark.slow
 
 SMOKE_RUNS = {
     "bench_batch_size.py": (["--models", "cnn", "--methods", "memguard"], "| cnn | 600 | memguard |"),
-    "bench_planner.py": (["--parts", "cost"], "plan() per batch:"),
+    "bench_planner.py": (
+        ["--parts", "cost,repeat", "--repeat-runs", "1"], "settled smallest / largest:"
+    ),
     "bench_monitor.py": (["--rounds", "1", "--skip-fits"], "MemoryGuard: before the step"),
     "bench_guard.py": (["--parts", "1", "--rounds", "1", "--ks", "2"], "| k=2, B=256 |"),
     "bench_escalation.py": (
