@@ -12,7 +12,7 @@ import keras
 
 import keras_memguard
 from keras_memguard.testing import emit_result
-from programs.common import MicroBatchCounts
+from programs.common import MicroBatchCounts, cnn
 
 
 class RandomSizes(keras.utils.PyDataset):
@@ -30,15 +30,7 @@ class RandomSizes(keras.utils.PyDataset):
 
 
 def main():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((32, 32, 3)),
-        keras.layers.Conv2D(32, 3, activation="relu"),
-        keras.layers.Conv2D(32, 3, activation="relu"),
-        keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(10),
-    ])
-    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = cnn((32, 32, 3), [keras.layers.Conv2D(32, 3, activation="relu") for _ in range(2)])
     guard = keras_memguard.MemoryGuard(plan_cache=False)
     result = {"ks": []}
     ks = MicroBatchCounts()

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 import keras_memguard
 from keras_memguard.testing import emit_result
-from programs.common import MicroBatchCounts, SampleCount
+from programs.common import MicroBatchCounts, SampleCount, cnn
 
 BATCH = 128
 STEPS = 8
@@ -26,22 +26,17 @@ CAP_MIB = 89
 
 
 def make_model():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((32, 32, 3)),
-        keras.layers.Conv2D(32, 3, activation="relu"),
-        keras.layers.Conv2D(64, 3, activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Conv2D(64, 3, activation="relu"),
-        keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(10),
-    ])
-    model.compile(
-        "adam",
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=[SampleCount()],
+    layers = keras.layers
+    return cnn(
+        (32, 32, 3),
+        [
+            layers.Conv2D(32, 3, activation="relu"),
+            layers.Conv2D(64, 3, activation="relu"),
+            layers.MaxPooling2D(),
+            layers.Conv2D(64, 3, activation="relu"),
+        ],
+        [SampleCount()],
     )
-    return model
 
 
 def dataset():
