@@ -30,7 +30,9 @@ class RandomSizes(keras.utils.PyDataset):
 
 
 def main():
-    model = cnn((32, 32, 3), [keras.layers.Conv2D(32, 3, activation="relu") for _ in range(2)])
+    model = cnn(
+        (32, 32, 3), lambda: [keras.layers.Conv2D(32, 3, activation="relu") for _ in range(2)]
+    )
     guard = keras_memguard.MemoryGuard(plan_cache=False)
     result = {"ks": []}
     ks = MicroBatchCounts()

@@ -6,12 +6,16 @@ import keras
 import tensorflow as tf
 
 
-def cnn(input_shape, body, metrics=()):
-    """A seeded, compiled classifier: `body` layers, global pooling, 10 logits."""
+def cnn(input_shape, make_body, metrics=()):
+    """A seeded, compiled classifier: `make_body()`'s layers, global pooling, 10 logits.
+
+    The layers are made after the seed is set: an initializer draws its
+    seed when it is made.
+    """
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input(input_shape),
-        *body,
+        *make_body(),
         keras.layers.GlobalAveragePooling2D(),
         keras.layers.Dense(10),
     ])
@@ -31,7 +35,7 @@ def design_cnn(metrics=()):
     """
     return cnn(
         (64, 64, 3),
-        [keras.layers.Conv2D(64, 3, activation="relu") for _ in range(2)],
+        lambda: [keras.layers.Conv2D(64, 3, activation="relu") for _ in range(2)],
         metrics,
     )
 

@@ -29,7 +29,7 @@ def make_model():
     layers = keras.layers
     return cnn(
         (32, 32, 3),
-        [
+        lambda: [
             layers.Conv2D(32, 3, activation="relu"),
             layers.Conv2D(64, 3, activation="relu"),
             layers.MaxPooling2D(),
