@@ -24,25 +24,33 @@ GIB = 2**30
 
 
 class FakeGpu:
-    def __init__(self, uuid, total_gib=80, used_gib=6, util=42, processes=()):
+    def __init__(self, uuid, total_gib=80, used_gib=6, util=42, processes=(),
+                 reserved_gib=0.0):
         self.uuid = uuid
         self.total = total_gib * GIB
         self.used = used_gib * GIB
+        # Memory the driver keeps for itself: "used" in NVML's memory info
+        # version 1, apart in version 2.
+        self.reserved = int(reserved_gib * GIB)
         self.util = util
         # Pairs (pid, usedGpuMemory).
         self.processes = list(processes)
         self.fail = set()  # Query names that raise.
 
 
-def make_fake_pynvml(gpus, migs=None):
+def make_fake_pynvml(gpus, migs=None, memory_v2=False):
     """A module-like object with the part of pynvml the probe uses.
 
     Handles are `("gpu", index)` or `("mig", uuid)`; errors are real
-    `pynvml.NVMLError`s, as NVML raises them.
+    `pynvml.NVMLError`s, as NVML raises them. With `memory_v2`, the memory
+    info's version 2 is there (a driver from R510 on): bindings that have
+    `nvmlMemory_v2` on a driver without it raise NVML's "function not
+    found".
     """
     migs = migs or {}  # MIG uuid -> (parent index, FakeGpu of the slice)
     fake = types.ModuleType("pynvml")
     fake.NVMLError = pynvml.NVMLError
+    fake.nvmlMemory_v2 = pynvml.nvmlMemory_v2
     fake.init_calls = 0
     fake.shutdown_calls = 0
 
@@ -87,11 +95,16 @@ def make_fake_pynvml(gpus, migs=None):
     def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle):
         return ("gpu", migs[handle[1]][0])
 
-    def nvmlDeviceGetMemoryInfo(handle):
+    def nvmlDeviceGetMemoryInfo(handle, version=None):
         check(handle, "memory")
         gpu = gpu_of(handle)
+        free = gpu.total - gpu.used - gpu.reserved
+        if version is None:
+            return types.SimpleNamespace(total=gpu.total, used=gpu.used + gpu.reserved, free=free)
+        if version != pynvml.nvmlMemory_v2 or not memory_v2:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
         return types.SimpleNamespace(
-            total=gpu.total, used=gpu.used, free=gpu.total - gpu.used
+            total=gpu.total, reserved=gpu.reserved, used=gpu.used, free=free
         )
 
     def nvmlDeviceGetComputeRunningProcesses(handle):
@@ -277,6 +290,26 @@ def test_sample_values_come_from_nvml(fake_nvml, monkeypatch):
     assert second.process_bytes is None
     assert third.process_bytes is None
     assert (second.total_bytes, third.total_bytes) == (20 * GIB, 30 * GIB)
+
+
+@pytest.mark.parametrize("memory_v2, used_gib", [(True, 6), (False, 6.5)])
+def test_used_memory_leaves_out_the_driver_s_reserve_where_the_driver_can(
+    monkeypatch, tf_sees_gpu, caplog, memory_v2, used_gib
+):
+    # As on an H100 (driver 580): NVML's version 1 "used" was 480 MiB above
+    # nvidia-smi's, the driver's reserve; version 2 agreed with nvidia-smi.
+    gpu = FakeGpu(UUIDS[0], total_gib=80, used_gib=6, reserved_gib=0.5)
+    monkeypatch.setitem(sys.modules, "pynvml", make_fake_pynvml([gpu], memory_v2=memory_v2))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    probe = NvmlProbe()
+    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
+        for _ in range(2):
+            (reading,) = probe.sample()
+            assert reading.used_bytes == used_gib * GIB
+            assert reading.free_bytes == 73.5 * GIB
+            assert reading.total_bytes == 80 * GIB
+    # A driver without version 2 is no fault: nothing is logged.
+    assert not caplog.records
 
 
 def test_tf_gpu_ordinals_select_and_unknown_ones_warn(fake_nvml, monkeypatch):

@@ -42,6 +42,7 @@ from keras_memguard.jax_training.inference import double_slices
 from keras_memguard.jax_training.planning import excess_bytes
 from keras_memguard.jax_training.planning import plan_micro_batches
 from keras_memguard.jax_training.replay import ReplayingTrainFunction
+from keras_memguard.jax_training.replay import is_out_of_memory
 from keras_memguard.jax_training.step import batch_size_of
 from keras_memguard.jax_training.support import check_supported
 from keras_memguard.training import functions
@@ -365,7 +366,12 @@ def _plan_from_analysis(memory_of, batch_size, limit_bytes, config, in_use_bytes
     """`plan_micro_batches` over `memory_of(k)`; `None` without an analysis."""
 
     def analyse(k):
-        memory = memory_of(k)
+        try:
+            memory = memory_of(k)
+        except Exception as error:
+            if is_out_of_memory(error):  # a GPU's autotuner, while compiling
+                return None
+            raise
         if memory is None:
             raise _NoAnalysis()
         return memory

@@ -97,7 +97,11 @@ class _SlicedFunction:
             stop = min(batch_size, start + -(-batch_size // k))
             piece = _slice(data, start, stop)
             try:
-                result, state = self._executable(state, piece)(state, piece)
+                # Waited for: on a GPU an allocation that fails shows only
+                # when a result is read (XLA runs asynchronously).
+                result, state = jax.block_until_ready(
+                    self._executable(state, piece)(state, piece)
+                )
                 self._latest = state
             except Exception as error:
                 if not is_out_of_memory(error):

@@ -12,6 +12,7 @@ find the smallest count that fits.
 """
 
 from typing import NamedTuple
+from typing import Optional
 from typing import Tuple
 
 from keras_memguard import decider
@@ -27,18 +28,19 @@ class CompiledPlan(NamedTuple):
         micro_batches: The count to run the batch with: the smallest that
             fits, or, when none does, the largest tried.
         fits: Whether that count fits the target.
-        memory: The `StepMemory` of the step at that count.
+        memory: The `StepMemory` of the step at that count, or `None` when
+            it could not be compiled within the device's memory.
         predicted_usage: In use before the step plus its demand plus the
-            margin, over the limit.
+            margin, over the limit; `None` without a `memory`.
         reason: Why, in words.
-        analysed: The `StepMemory` of every count compiled, in the order
-            tried.
+        analysed: The `StepMemory` of every count tried, in the order
+            tried (`None` for one that could not be compiled).
     """
 
     micro_batches: int
     fits: bool
-    memory: StepMemory
-    predicted_usage: float
+    memory: Optional[StepMemory]
+    predicted_usage: Optional[float]
     reason: str
     analysed: Tuple[StepMemory, ...]
 
@@ -91,7 +93,10 @@ def plan_micro_batches(
     Args:
         analyse: A function from a count to its `StepMemory` (such as
             `lambda k: cache.memory(k, state, batch)` of a `StepCache`),
-            called once per candidate.
+            called once per candidate; or to `None` when the step could
+            not be compiled at that count for lack of device memory (XLA's
+            autotuner tries kernels in device memory): that count does not
+            fit.
         batch_size: Samples in the batch, an `int` >= 1.
         limit_bytes: The device memory limit in bytes (`bytes_limit` of
             `jax.Device.memory_stats()`, or the user's `memory_limit`).
@@ -140,7 +145,7 @@ def plan_micro_batches(
         return base + memory.demand_bytes + margin_bytes
 
     def fits(memory):
-        return total(memory) < target
+        return memory is not None and total(memory) < target
 
     def work(k):
         return float(-(-batch_size // k))
@@ -153,13 +158,14 @@ def plan_micro_batches(
 
     k = lowest
     while True:
-        memory = analyse(k)
-        analysed[k] = memory
-        if state is None:
-            # The new state and the logs do not shrink with the micro-batch.
-            state = decider.init(config, fixed_bytes=memory.output_bytes)
-        reading = decider.Reading(batch_size, k, 1.0, 0.0, float(memory.demand_bytes), float(limit_bytes))
-        _, state = decider.observe(config, state, reading)
+        analysed[k] = analyse(k)
+        if analysed[k] is not None:
+            memory = analysed[k]
+            if state is None:
+                # The new state and the logs do not shrink with the micro-batch.
+                state = decider.init(config, fixed_bytes=memory.output_bytes)
+            reading = decider.Reading(batch_size, k, 1.0, 0.0, float(memory.demand_bytes), float(limit_bytes))
+            _, state = decider.observe(config, state, reading)
         fitting = [c for c, m in analysed.items() if fits(m)]
         hi = min(fitting) if fitting else None
         lo = max(
@@ -171,8 +177,11 @@ def plan_micro_batches(
         if len(analysed) >= max_compiles:
             break
         low, high = lo + 1, (hi - 1 if hi is not None else upper)
+        if state is None:
+            # Nothing compiled yet to model: twice the count.
+            candidate = min(high, 2 * k)
         # The smallest count in [low, high] the memory model says fits.
-        if predicted_fit(high, memory):
+        elif predicted_fit(high, memory):
             a, b = low, high
             while a < b:
                 middle = (a + b) // 2
@@ -194,12 +203,19 @@ def plan_micro_batches(
     fitting = [c for c, m in analysed.items() if fits(m)]
     chosen = min(fitting) if fitting else max(analysed)
     memory = analysed[chosen]
-    usage = total(memory) / limit_bytes
-    where = (
-        f"compiled step needs {total(memory) / _MIB:.1f} MiB "
-        f"({usage:.0%} of {limit_bytes / _MIB:.0f} MiB) at "
-        f"{decider.micro_batches_text(chosen)}"
-    )
+    if memory is None:
+        usage = None
+        where = (
+            "the step could not be compiled within the device's memory at "
+            f"{decider.micro_batches_text(chosen)}"
+        )
+    else:
+        usage = total(memory) / limit_bytes
+        where = (
+            f"compiled step needs {total(memory) / _MIB:.1f} MiB "
+            f"({usage:.0%} of {limit_bytes / _MIB:.0f} MiB) at "
+            f"{decider.micro_batches_text(chosen)}"
+        )
     if fitting:
         reason = f"{where}, under target {threshold:.0%}"
     else:

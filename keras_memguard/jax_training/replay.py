@@ -6,7 +6,10 @@ pulls the batch itself, runs the compiled micro-batched step on it (which
 does not donate the state), and when that raises XLA's out-of-memory error
 it asks a handler for a larger count and runs the same batch on the same,
 untouched state again. Only out-of-memory errors are caught; everything
-else is raised as it came.
+else is raised as it came. Each step is waited for before the function
+returns: on a GPU XLA runs a step asynchronously and reports an allocation
+that failed only when a result is read, which would be after the state had
+moved on.
 """
 
 import re
@@ -25,7 +28,17 @@ from keras_memguard.training import compat
 # errors.
 RESOURCE_EXHAUSTED = 8
 
-_ALLOCATION_RE = re.compile(r"allocat\w*\s+(\d+)\s+bytes", re.IGNORECASE)
+# XLA names the failed allocation in bytes ("allocating 123456 bytes") on the
+# host and in its allocator's human-readable units ("allocate 466.00MiB") on
+# a GPU.
+_ALLOCATION_RE = re.compile(
+    r"allocat\w*\s+(\d+(?:\.\d+)?)\s*(bytes|B|KiB|MiB|GiB|TiB)\b", re.IGNORECASE
+)
+_UNITS = {"bytes": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+# What XLA's GPU compiler reports when its autotuner could not allocate the
+# buffers to try a kernel in: the compile fails (status NOT_FOUND, "Failed to
+# get configs") and the out-of-memory status is only inside the message.
+_AUTOTUNER_OUT_OF_MEMORY = "RESOURCE_EXHAUSTED: Out of memory"
 
 
 def _runtime_error_types():
@@ -46,9 +59,13 @@ def is_out_of_memory(error):
     """Whether an error is XLA's out-of-memory error.
 
     By type (`jax.errors.JaxRuntimeError`) and status code
-    (`RESOURCE_EXHAUSTED`), not by the message's words. A jaxlib that keeps
-    no code on the error (before `error_code`) is read by the status name
-    XLA puts first in the message.
+    (`RESOURCE_EXHAUSTED`). A jaxlib that keeps no code on the error (before
+    `error_code`) is read by the status name XLA puts first in the message.
+    One case is told by the message alone: compiling a step for a GPU fails
+    when XLA's autotuner cannot allocate the buffers to try a kernel in; the
+    status is then another (`NOT_FOUND`) and each failed try's
+    `RESOURCE_EXHAUSTED: Out of memory` is in the message. The step would
+    have needed that memory too, so it is out of memory all the same.
 
     Args:
         error: An exception.
@@ -63,10 +80,12 @@ def is_out_of_memory(error):
     """
     if not isinstance(error, _RUNTIME_ERRORS):
         return False
+    message = str(error.args[0]) if error.args else ""
+    if message.startswith("NOT_FOUND") and _AUTOTUNER_OUT_OF_MEMORY in message:
+        return True
     code = getattr(error, "error_code", None)
     if isinstance(code, int) and code not in (0, 2):  # 2: UNKNOWN
         return code == RESOURCE_EXHAUSTED
-    message = str(error.args[0]) if error.args else ""
     return message.startswith("RESOURCE_EXHAUSTED")
 
 
@@ -77,7 +96,9 @@ def failed_allocation_bytes(error):
     `is_out_of_memory`, never by this.
     """
     match = _ALLOCATION_RE.search(str(error))
-    return int(match.group(1)) if match else None
+    if match is None:
+        return None
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 class StepOutOfMemory(NamedTuple):
@@ -214,7 +235,11 @@ class ReplayingTrainFunction:
         while True:
             k = min(self.micro_batches, batch_size)
             try:
-                return self.cache.compiled(k, state, data)(state, data)
+                result = self.cache.compiled(k, state, data)(state, data)
+                # On a GPU XLA runs the step asynchronously: an allocation
+                # that fails shows only when a result is read. Wait here,
+                # where the batch can still run again on the untouched state.
+                return jax.block_until_ready(result)
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise

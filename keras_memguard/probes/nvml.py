@@ -50,7 +50,9 @@ class NvmlProbe:
     `process_bytes` sit near 100% of the device whatever the model needs:
     TensorFlow reserves the memory up front and manages it itself. Decide
     from the allocator numbers (`AllocatorProbe`); NVML readings are for
-    context (other processes, utilization, the device total).
+    context (other processes, utilization, the device total). `used_bytes`
+    is what `nvidia-smi` shows as used: where the driver has NVML's memory
+    info version 2, the memory the driver reserves for itself is left out.
 
     Each NVML query takes microseconds to a millisecond (listing processes
     is the slowest), so sample NVML less often than every batch on busy
@@ -102,6 +104,8 @@ class NvmlProbe:
         self._requested = tf_gpu_ordinals
         self._started = False
         self._pynvml = None
+        # Whether to ask for memory info version 2 (see `_memory_info`).
+        self._memory_v2 = False
         # (tf_ordinal, device name, nvml_index, handle) per GPU read.
         self._targets = ()
         self._by_ordinal = {}
@@ -214,6 +218,7 @@ class NvmlProbe:
             self._quiet = not _backend_sees_gpu()
             return
         self._pynvml = pynvml
+        self._memory_v2 = hasattr(pynvml, "nvmlMemory_v2")
         cuda_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         try:
             visible = _visible_gpus(pynvml, cuda_visible)
@@ -273,10 +278,24 @@ class NvmlProbe:
                 )
             return None
 
+    def _memory_info(self, name, index, handle):
+        """`nvmlDeviceGetMemoryInfo`, version 2 where the driver has it.
+
+        Version 1 counts the memory the driver reserves for itself as used
+        (hundreds of MiB on a large GPU); version 2 leaves it out, as
+        `nvidia-smi` does. An older driver or binding gives version 1.
+        """
+        if self._memory_v2:
+            try:
+                return self._pynvml.nvmlDeviceGetMemoryInfo(
+                    handle, version=self._pynvml.nvmlMemory_v2
+                )
+            except Exception:  # no version 2 here: version 1 from now on
+                self._memory_v2 = False
+        return self._query("nvmlDeviceGetMemoryInfo", name, index, handle, "memory info")
+
     def _read(self, name, index, handle, pid):
-        memory = self._query(
-            "nvmlDeviceGetMemoryInfo", name, index, handle, "memory info"
-        )
+        memory = self._memory_info(name, index, handle)
         if memory is None:
             total = used = free = None
         else:

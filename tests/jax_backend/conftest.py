@@ -11,6 +11,9 @@ import importlib.util
 import os
 
 os.environ["KERAS_BACKEND"] = "jax"
+# The tests are written for JAX's CPU device (no memory statistics, limits
+# passed as `memory_limit`), also on a machine with a GPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
 if importlib.util.find_spec("jax") is None:

@@ -37,3 +37,18 @@ def test_bench_jax_guard_smoke_run():
     medians = {r["variant"]: r for r in rows if "median_s" in r}
     assert set(medians) == {"plain", "guard", "guard+monitor"}
     assert all(r["median_s"] > 0 for r in medians.values())
+
+
+GPU_SCRIPT = SCRIPT.parent / "bench_jax_gpu.py"
+
+
+def test_bench_jax_gpu_says_it_needs_a_gpu_where_there_is_none(tmp_path):
+    # The script runs its parts on an NVIDIA GPU only; without nvidia-smi
+    # on the PATH it stops at once, saying so.
+    result = subprocess.run(
+        [sys.executable, str(GPU_SCRIPT), "--parts", "probe"],
+        capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, KERAS_BACKEND="jax", PATH=str(tmp_path)),
+    )
+    assert result.returncode == 1
+    assert "bench_jax_gpu needs an NVIDIA GPU (nvidia-smi:" in result.stderr

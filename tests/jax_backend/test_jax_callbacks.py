@@ -168,6 +168,47 @@ def test_a_batch_out_of_memory_is_replayed_with_more_micro_batches(monkeypatch, 
     assert max_weight_difference(model, plain) < 1e-5
 
 
+def autotuner_out_of_memory():
+    """The error XLA's GPU compiler raised on an H100 under a 256 MiB limit
+    when its autotuner could not allocate the buffers to try a convolution
+    in (abridged: the message lists every failed try)."""
+    return jax.errors.JaxRuntimeError(
+        "NOT_FOUND: Failed to get configs for: 5 out of 26 instructions. See logs "
+        "for all failures. Example failure: \nAll configs failed during profiling "
+        "or were excluded from selection.\nFailures (30):\nEXECUTION FAILED: "
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 466.00MiB with "
+        "allocator GPU_0_bfc on device 0. [tf-allocator-allocation-error='']",
+        5,
+    )
+
+
+def test_a_count_the_gpu_compiler_runs_out_of_memory_compiling_is_planned_past(monkeypatch):
+    plain, model = twins(make_mlp)
+    x, y = mlp_data()
+    tried = []
+    compiled = StepCache.compiled
+
+    def compiling_out_of_memory_below_4(self, micro_batches, state, data):
+        tried.append(micro_batches)
+        if micro_batches < 4:
+            raise autotuner_out_of_memory()
+        return compiled(self, micro_batches, state, data)
+
+    monkeypatch.setattr(StepCache, "compiled", compiling_out_of_memory_below_4)
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40)
+    fit = dict(batch_size=20, epochs=1, shuffle=False, verbose=0)
+    history = model.fit(x, y, callbacks=[guard], **fit)
+    monkeypatch.undo()
+    plain.fit(x, y, **fit)
+
+    # Planning tried 1, then twice that, then 4, which compiled and ran:
+    # no step ran out of memory, nothing replayed.
+    assert tried[:3] == [1, 2, 4], tried
+    assert history.history["micro_batches"] == [4]
+    assert guard.oom_recoveries == 0
+    assert max_weight_difference(model, plain) < 1e-5
+
+
 def test_one_sample_per_micro_batch_out_of_memory_raises_the_guard_error(monkeypatch):
     model = make_mlp()
     x, y = mlp_data()

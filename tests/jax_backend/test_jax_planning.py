@@ -82,6 +82,26 @@ def test_nothing_fits_says_so(planned):
     assert "no count tried fits" in decided.reason
 
 
+def test_a_count_that_cannot_be_compiled_within_memory_does_not_fit(planned):
+    _, cache, state, batch = planned
+    tried = []
+
+    def analyse(k):  # None: the GPU's autotuner ran out of memory compiling
+        tried.append(k)
+        return None if k < 8 else cache.memory(k, state, batch)
+
+    decided = plan_micro_batches(analyse, BATCH, 1 << 40)
+    # Doubled until a count compiled, then the counts between were tried:
+    # 8 is the smallest that compiles.
+    assert decided.fits and decided.micro_batches == 8
+    assert tried[:4] == [1, 2, 4, 8] and sorted(tried[4:]) == [5, 6, 7], tried
+
+    nothing = plan_micro_batches(lambda k: None, 16, 1 << 40, max_compiles=3)
+    assert not nothing.fits and nothing.memory is None and nothing.predicted_usage is None
+    assert nothing.micro_batches == 4
+    assert "could not be compiled within the device's memory at 4 micro-batches" in nothing.reason
+
+
 def test_planning_arguments_are_checked():
     with pytest.raises(ValueError, match="threshold=1.5"):
         plan_micro_batches(lambda k: None, 8, 100, threshold=1.5)

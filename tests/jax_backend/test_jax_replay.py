@@ -61,6 +61,28 @@ def test_out_of_memory_is_told_by_type_and_status_code():
     assert failed_allocation_bytes(out_of_memory()) == 123456
 
 
+def test_a_gpu_out_of_memory_error_and_the_autotuner_s_are_recognized():
+    # An H100's allocator names the allocation in its own units.
+    runtime = jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 408.00MiB with "
+        "allocator GPU_0_bfc on device 0.", RESOURCE_EXHAUSTED
+    )
+    assert is_out_of_memory(runtime)
+    assert failed_allocation_bytes(runtime) == 408 * 2**20
+    # Compiling fails with another status when XLA's autotuner could not
+    # allocate the buffers to try a kernel in; the step needs that memory too.
+    autotuner = jax.errors.JaxRuntimeError(
+        "NOT_FOUND: Failed to get configs for: 5 out of 26 instructions. "
+        "Failures (30):\nEXECUTION FAILED: RESOURCE_EXHAUSTED: Out of memory while "
+        "trying to allocate 466.00MiB with allocator GPU_0_bfc on device 0.", 5
+    )
+    assert is_out_of_memory(autotuner)
+    assert failed_allocation_bytes(autotuner) == 466 * 2**20
+    assert not is_out_of_memory(
+        jax.errors.JaxRuntimeError("NOT_FOUND: Failed to get configs for: 1 instruction", 5)
+    )
+
+
 def test_a_real_xla_out_of_memory_error_is_recognized():
     # XLA's CPU client refuses an allocation larger than the address space.
     with pytest.raises(jax.errors.JaxRuntimeError) as raised:
@@ -133,6 +155,38 @@ def test_the_state_survives_a_failed_call_and_metrics_stay_unchanged():
     count = next(i for i, p in enumerate(paths) if "loss" in p and p.endswith("count"))
     assert float(before[3][count]) == 32
     assert float(metrics[count]) == 64
+
+
+class FailsWhenRead:
+    """A step's result as a GPU returns it when the step ran out of memory:
+    the call returned, and reading the result raises XLA's error."""
+
+    def block_until_ready(self):
+        raise out_of_memory()
+
+
+def test_a_step_that_fails_after_returning_is_replayed_before_the_state_moves_on():
+    # On a GPU XLA runs the step asynchronously: the call returns, and the
+    # out-of-memory error comes when a result is read.
+    plain, model = twins(make_mlp)
+    x, y = mlp_data()
+    fit = dict(batch_size=32, epochs=1, shuffle=False, verbose=0)
+    plain.train_function = ReplayingTrainFunction(plain, micro_batches=2)
+    plain.fit(x, y, **fit)
+
+    class FailingWhenReadAt(StepCache):
+        def compiled(self, micro_batches, state, data):
+            compiled = super().compiled(micro_batches, state, data)
+            if micro_batches != 1:
+                return compiled
+            return lambda state, data: (compiled(state, data)[0], FailsWhenRead())
+
+    function = ReplayingTrainFunction(model, cache=FailingWhenReadAt(model))
+    model.train_function = function
+    model.fit(x, y, **fit)
+
+    assert function.replays == 1 and function.micro_batches == 2
+    assert max_weight_difference(plain, model) < 1e-6
 
 
 def test_one_sample_per_micro_batch_out_of_memory_raises():

@@ -1,0 +1,216 @@
+"""The NVML probe and the JAX guard against a real NVIDIA GPU.
+
+Needs a GPU that JAX sees (exits with a message otherwise). Each part runs
+in a process of its own, since XLA reads its allocator settings once:
+
+- `probe`: with 1 GiB held by this process, `NvmlProbe` and
+  `JaxMemoryProbe` against `nvidia-smi` (device total, used, this process).
+- `analysis`: the compiled step's `memory_analysis()` against the device's
+  measured peak, per batch and micro-batch count (CNN on 64x64x3), each in
+  a fresh process: JAX cannot reset its peak, and compiling for a GPU
+  (XLA's autotuner) sets one of its own. A step's measurement counts only
+  where it raised the high-water mark past compiling's.
+- `guard`: a 32x32 CNN at batch 4096 under the device's own limit, made
+  small with `XLA_PYTHON_CLIENT_MEM_FRACTION` (`--limit-mib`): the count
+  planned from the compiled step, out-of-memory errors, measured peak.
+- `oom`: the same with `plan=False`: the whole batch runs out of memory on
+  the device (XLA's `RESOURCE_EXHAUSTED`) and is replayed with more
+  micro-batches; its weights against the `guard` part's.
+
+Prints one JSON line per reading.
+
+Run: python bench/jax_backend/bench_jax_gpu.py [--parts probe,analysis,guard,oom]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+PARTS = ("probe", "analysis", "guard", "oom")
+ANALYSIS_BATCHES = (64, 256, 1024)
+_MIB = 2**20
+
+
+def emit(**row):
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
+          flush=True)
+
+
+def nvidia_smi():
+    """Device total and used, and this process's use, as nvidia-smi says (MiB)."""
+    gpu = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.total,memory.used", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split("\n")[0]
+    apps = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    total, used = (float(v) for v in gpu.split(","))
+    mine = [float(line.split(",")[1]) for line in apps.splitlines()
+            if line.strip() and int(line.split(",")[0]) == os.getpid()]
+    return dict(total_mib=total, used_mib=used, process_mib=mine[0] if mine else None)
+
+
+def part_probe():
+    import jax
+    import keras
+
+    emit(jax=jax.__version__, keras=keras.__version__, device=jax.devices()[0].device_kind)
+    import jax.numpy as jnp
+
+    from keras_memguard import NvmlProbe
+    from keras_memguard.probes.jax_memory import JaxMemoryProbe
+
+    held = jnp.ones((256, _MIB), dtype=jnp.float32)  # 1 GiB
+    held.block_until_ready()
+    (nvml,) = NvmlProbe().sample()
+    (jax_sample,) = JaxMemoryProbe().sample()
+    smi = nvidia_smi()
+    emit(part="probe", device=str(jax.devices()[0]), held_mib=1024.0,
+         nvml_total_mib=nvml.total_bytes / _MIB, nvml_used_mib=nvml.used_bytes / _MIB,
+         nvml_process_mib=None if nvml.process_bytes is None else nvml.process_bytes / _MIB,
+         nvml_utilization=nvml.gpu_utilization_percent,
+         smi_total_mib=smi["total_mib"], smi_used_mib=smi["used_mib"],
+         smi_process_mib=smi["process_mib"],
+         jax_in_use_mib=jax_sample.current_bytes / _MIB,
+         jax_limit_mib=jax_sample.limit_bytes / _MIB)
+
+
+def _cnn(keras, size, width):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((size, size, 3)),
+        keras.layers.Conv2D(width, 3, activation="relu"),
+        keras.layers.Conv2D(width, 3, activation="relu"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(10),
+    ])
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def part_analysis(batch, k):
+    import jax
+    import keras
+    import numpy as np
+
+    from keras_memguard.jax_training import StepCache
+    from keras_memguard.training.compat import jax_state
+    from keras_memguard.training.compat import symbolic_build
+
+    device = jax.devices()[0]
+    model = _cnn(keras, 64, 64)
+    rng = np.random.default_rng(0)
+    data = (jax.device_put(rng.normal(size=(batch, 64, 64, 3)).astype("float32")),
+            jax.device_put(rng.integers(0, 10, size=(batch,)).astype("int32")))
+    symbolic_build(model, data)
+    state = jax.device_put(jax_state(model))
+    cache = StepCache(model)
+    memory = cache.memory(k, state, data)  # compiles (and autotunes) here
+    stats = device.memory_stats()
+    before, mark = stats["bytes_in_use"], stats["peak_bytes_in_use"]
+    jax.block_until_ready(cache.compiled(k, state, data)(state, data))
+    peak = device.memory_stats()["peak_bytes_in_use"]
+    raised = peak > mark  # else compiling's autotuner set the high-water mark
+    emit(part="analysis", batch=batch, k=k, demand_mib=memory.demand_bytes / _MIB,
+         before_mib=before / _MIB, compile_mark_mib=(mark - before) / _MIB,
+         measured_demand_mib=(peak - before) / _MIB if raised else None,
+         measured_over_analysis=(peak - before) / memory.demand_bytes if raised else None)
+
+
+def _train(plan, batch, log_dir):
+    import logging
+
+    import jax
+    import keras
+    import numpy as np
+
+    import keras_memguard
+
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("keras_memguard").setLevel(logging.INFO)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2 * batch, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, size=(2 * batch,))
+    model = _cnn(keras, 32, 32)
+    guard = keras_memguard.MemoryGuard(plan=plan, plan_cache=False, log_dir=log_dir)
+    history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[keras_memguard.MemoryMonitor(log_dir=log_dir), guard])
+    stats = jax.devices()[0].memory_stats()
+    return model, guard, history, stats
+
+
+def part_guard(batch, weights_path):
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as log_dir:
+        model, guard, history, stats = _train(True, batch, log_dir)
+    np.savez(weights_path, *model.get_weights())
+    emit(part="guard", batch=batch, limit_mib=stats["bytes_limit"] / _MIB,
+         peak_mib=stats["peak_bytes_in_use"] / _MIB,
+         micro_batches=history.history["micro_batches"],
+         oom_recoveries=guard.oom_recoveries,
+         loss=[round(v, 5) for v in history.history["loss"]])
+
+
+def part_oom(batch, weights_path):
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as log_dir:
+        model, guard, history, stats = _train(False, batch, log_dir)
+    planned = np.load(weights_path) if os.path.exists(weights_path) else None
+    difference = None
+    if planned is not None:
+        difference = max(float(np.max(np.abs(a - planned[f"arr_{i}"])))
+                         for i, a in enumerate(model.get_weights()))
+    emit(part="oom", batch=batch, limit_mib=stats["bytes_limit"] / _MIB,
+         peak_mib=stats["peak_bytes_in_use"] / _MIB,
+         micro_batches=history.history["micro_batches"],
+         oom_recoveries=guard.oom_recoveries,
+         loss=[round(v, 5) for v in history.history["loss"]],
+         largest_weight_difference_from_guard=difference)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--limit-mib", type=float, default=256.0,
+                        help="the device limit of parts guard and oom")
+    parser.add_argument("--batch-size", type=int, default=4096)
+    parser.add_argument("--in-process", choices=PARTS, help=argparse.SUPPRESS)
+    parser.add_argument("--micro-batches", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--weights", default=os.path.join(tempfile.gettempdir(),
+                                                          "bench_jax_gpu_weights.npz"))
+    args = parser.parse_args()
+    if args.in_process:
+        {"probe": part_probe,
+         "analysis": lambda: part_analysis(args.batch_size, args.micro_batches),
+         "guard": lambda: part_guard(args.batch_size, args.weights),
+         "oom": lambda: part_oom(args.batch_size, args.weights)}[args.in_process]()
+        return
+    try:
+        total = nvidia_smi()["total_mib"] * _MIB
+    except (OSError, subprocess.CalledProcessError) as error:
+        sys.exit(f"bench_jax_gpu needs an NVIDIA GPU (nvidia-smi: {error})")
+    for part in args.parts.split(","):
+        env = dict(os.environ, KERAS_BACKEND="jax")
+        if part in ("guard", "oom"):
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{args.limit_mib * _MIB / total:.6f}"
+        else:
+            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        runs = [(args.batch_size, 1)]
+        if part == "analysis":
+            runs = [(b, k) for b in ANALYSIS_BATCHES for k in (1, 2, 4, 8)]
+        for batch, k in runs:
+            subprocess.run([sys.executable, __file__, "--in-process", part,
+                            "--batch-size", str(batch), "--micro-batches", str(k),
+                            "--weights", args.weights], env=env, check=False)
+
+
+if __name__ == "__main__":
+    main()
