@@ -217,6 +217,16 @@ class JaxTrainingRun:
     def _on_out_of_memory(self, failure):
         """The count to replay a batch with, from the decider, or raises."""
         batch_size = failure.batch_size
+        # What the failed step needed on top of the memory in use before it:
+        # its compiled analysis where it compiled (XLA allocates a step's
+        # buffers as the analysis says), else the allocation the error
+        # names. The decider sizes the replay from that, in one jump.
+        needed = failure.allocation_bytes
+        if failure.memory is not None:
+            needed = max(needed or 0, failure.memory.demand_bytes)
+        in_use = self._before
+        if in_use is None and failure.memory is not None:
+            in_use = float(failure.memory.argument_bytes)
         decided = self.guard.controller.fail(
             decider.Failure(
                 batch_size,
@@ -224,7 +234,8 @@ class JaxTrainingRun:
                 1.0,
                 self._before,
                 self.limit_bytes,
-                allocation_bytes=failure.allocation_bytes,
+                in_use_bytes=None if needed is None else in_use,
+                allocation_bytes=needed,
             )
         )
         if decided.cannot_split is not None:
@@ -232,6 +243,20 @@ class JaxTrainingRun:
                 self.guard, decided, batch_size, failure.micro_batches
             ) from failure.error
         k = min(decided.micro_batches, batch_size)
+        if failure.memory is not None and failure.analyse is not None:
+            # The failed step compiled: the smallest larger count whose
+            # compiled step fits, where that is more than the decider's.
+            planned = _plan_from_analysis(
+                failure.analyse,
+                batch_size,
+                self.limit_bytes,
+                self.guard.config,
+                self._before,
+                self.margin_bytes,
+                min(batch_size, failure.micro_batches + 1),
+            )
+            if planned is not None and planned.fits:
+                k = max(k, planned.micro_batches)
         messages.log_replay(batch_size, failure.micro_batches, k, str(-(-batch_size // k)))
         # Later batches of this shape start from the count that replayed it.
         self.planned[self._key] = k

@@ -168,6 +168,17 @@ class StepCache:
             )
         return self._memory[key]
 
+    def compiled_memory(self, micro_batches, data):
+        """The `StepMemory` of a step already compiled for a count and batch
+        shapes, or `None` when there is none (never compiles).
+
+        What a step that ran out of memory needed, where it compiled.
+        """
+        key = (micro_batches, shape_key(data))
+        if key not in self._memory and key in self._compiled:
+            self._memory[key] = step_memory(self._compiled[key], micro_batches)
+        return self._memory.get(key)
+
     def analysed(self, micro_batches, data):
         """The `StepMemory` already read for a count and batch shapes, or `None`.
 

@@ -13,6 +13,7 @@ moved on.
 """
 
 import re
+from typing import Callable
 from typing import NamedTuple
 from typing import Optional
 
@@ -21,6 +22,7 @@ import jax
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.jax_training.compiled import StepCache
+from keras_memguard.jax_training.compiled import StepMemory
 from keras_memguard.jax_training.step import batch_size_of
 from keras_memguard.training import compat
 
@@ -109,12 +111,19 @@ class StepOutOfMemory(NamedTuple):
         micro_batches: The count that failed.
         error: The `jax.errors.JaxRuntimeError`.
         allocation_bytes: The allocation that failed, where the error says.
+        memory: The failed step's `StepMemory` (its compiled analysis), or
+            `None` where it did not compile.
+        analyse: A function from another count to the `StepMemory` of the
+            step compiled for it on this batch's shapes (compiles), or
+            `None`.
     """
 
     batch_size: int
     micro_batches: int
     error: Exception
     allocation_bytes: Optional[int]
+    memory: Optional[StepMemory] = None
+    analyse: Optional[Callable[[int], Optional[StepMemory]]] = None
 
 
 def double_micro_batches(failure):
@@ -243,9 +252,18 @@ class ReplayingTrainFunction:
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise
-                failure = StepOutOfMemory(batch_size, k, error, failed_allocation_bytes(error))
-                self.failures.append(failure)
+                failure = StepOutOfMemory(
+                    batch_size, k, error, failed_allocation_bytes(error),
+                    self.cache.compiled_memory(k, data),
+                    lambda count: self.cache.memory(count, state, data),
+                )
                 larger = self.on_out_of_memory(failure)
+                # Kept without what would hold device memory: the error's
+                # traceback holds this frame (the batch, the state and the
+                # failed step's outputs), the analysis holds the batch.
+                error.__traceback__ = None
+                self.failures.append(failure._replace(analyse=None))
+                result = failure = None
                 if (
                     isinstance(larger, bool)
                     or not isinstance(larger, int)

@@ -29,6 +29,7 @@ from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.jax_training import StepCache
 from keras_memguard.jax_training.compiled import spec_of
+from keras_memguard.jax_training.compiled import step_memory
 from keras_memguard.report.cli import make_report
 from keras_memguard.training.compat import jax_state
 from keras_memguard.training.compat import symbolic_build
@@ -165,6 +166,34 @@ def test_a_batch_out_of_memory_is_replayed_with_more_micro_batches(monkeypatch, 
     assert guard.oom_recoveries == 1
     assert any(r.getMessage().startswith("out of memory at 1 micro-batch") for r in caplog.records)
     # The failed attempt left the state untouched: the same weights as plain.
+    assert max_weight_difference(model, plain) < 1e-5
+
+
+def test_without_planning_a_batch_out_of_memory_is_replayed_in_one_jump(monkeypatch):
+    # Each step whose compiled analysis needs more than the limit runs out of
+    # memory, as XLA's allocator would; the rest run. The replay is sized
+    # from what the failed step needed, not crept up to.
+    x, y = wide_data(2 * BATCH)
+    need = whole_batch_need(make_wide_mlp, x, y)
+    fixed = need.argument_bytes + need.output_bytes
+    limit = int((fixed + need.temp_bytes / 6) / 0.9)
+    runs = []
+    compiled = StepCache.compiled
+
+    def over_the_limit_fails(self, micro_batches, state, data):
+        step = compiled(self, micro_batches, state, data)
+        over = step_memory(step, micro_batches).need_bytes > limit
+        return FailingStep(step, micro_batches, runs, over)
+
+    monkeypatch.setattr(StepCache, "compiled", over_the_limit_fails)
+    plain, model = twins(make_wide_mlp)
+    guard = keras_memguard.MemoryGuard(memory_limit=limit, plan=False)
+    history = model.fit(x, y, callbacks=[guard], **FIT)
+    monkeypatch.undo()
+    plain.fit(x, y, **FIT)
+
+    assert runs[0] == 1 and guard.oom_recoveries == 1, runs
+    assert history.history["micro_batches"] == [runs[1]] * 2
     assert max_weight_difference(model, plain) < 1e-5
 
 
