@@ -51,6 +51,17 @@ class FailingAt(StepCache):
         return run
 
 
+def twins_one_trained_at_two_micro_batches():
+    """Twin MLPs and their data; the first trained an epoch at k=2 (the
+    count a replay after one failure at k=1 runs with)."""
+    plain, model = twins(make_mlp)
+    x, y = mlp_data()
+    fit = dict(batch_size=32, epochs=1, shuffle=False, verbose=0)
+    plain.train_function = ReplayingTrainFunction(plain, micro_batches=2)
+    plain.fit(x, y, **fit)
+    return plain, model, x, y, fit
+
+
 def test_out_of_memory_is_told_by_type_and_status_code():
     assert is_out_of_memory(out_of_memory())
     # The same words under another status, or another type: not OOM.
@@ -91,11 +102,7 @@ def test_a_real_xla_out_of_memory_error_is_recognized():
 
 
 def test_a_failed_step_is_replayed_at_a_larger_count_on_the_untouched_state():
-    plain, model = twins(make_mlp)
-    x, y = mlp_data()
-    fit = dict(batch_size=32, epochs=1, shuffle=False, verbose=0)
-    plain.train_function = ReplayingTrainFunction(plain, micro_batches=2)
-    plain.fit(x, y, **fit)
+    plain, model, x, y, fit = twins_one_trained_at_two_micro_batches()
 
     calls = []
     failures = []
@@ -168,11 +175,7 @@ class FailsWhenRead:
 def test_a_step_that_fails_after_returning_is_replayed_before_the_state_moves_on():
     # On a GPU XLA runs the step asynchronously: the call returns, and the
     # out-of-memory error comes when a result is read.
-    plain, model = twins(make_mlp)
-    x, y = mlp_data()
-    fit = dict(batch_size=32, epochs=1, shuffle=False, verbose=0)
-    plain.train_function = ReplayingTrainFunction(plain, micro_batches=2)
-    plain.fit(x, y, **fit)
+    plain, model, x, y, fit = twins_one_trained_at_two_micro_batches()
 
     class FailingWhenReadAt(StepCache):
         def compiled(self, micro_batches, state, data):
