@@ -758,6 +758,22 @@ def _measured_usage(config, state, batch, k):
     return usage if usage < config.threshold else None
 
 
+def _splitting_can_make_room(failure, before):
+    """Whether a smaller micro-batch could make room for an allocation
+    that does not itself shrink with it.
+
+    A smaller micro-batch frees what the step held when the allocation
+    failed (the memory in use then, less what was in use before the step).
+    When that and the largest free block together are not as large as the
+    allocation, no count helps; where the error does not say, neither is
+    assumed.
+    """
+    if failure.in_use_bytes is None or failure.largest_free_bytes is None:
+        return False
+    held = failure.in_use_bytes - before
+    return held + failure.largest_free_bytes >= (failure.allocation_bytes or math.inf)
+
+
 def _record_peak(state, readings, work, peak, before):
     """`state.peaks` with this batch's peak and memory in use before it."""
     peaks = state.peaks
@@ -981,6 +997,7 @@ def fail(config, state, failure):
         and previous_allocation is not None
         and previous_allocation[0] == shape
         and previous_allocation[1] > micro
+        and not _splitting_can_make_room(failure, before)
     ):
         why = (
             f"out of memory again allocating {list(shape)} at {micro} samples per "

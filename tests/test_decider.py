@@ -182,6 +182,27 @@ def test_a_replay_never_keeps_the_micro_batch_that_failed():
     assert not decider.one_sample_fits(config, state, Batch(16, 1.0, 100 * MIB, LIMIT))
 
 
+def test_an_allocation_of_the_same_shape_is_split_past_where_the_step_s_memory_makes_room():
+    # As under a real 600 MiB cap: the bench CNN at batch 1024 fed numpy
+    # arrays (513 MiB in use before the step). A convolution's 32 MiB
+    # workspace of 4 samples failed at 25, then at 22 samples per
+    # micro-batch, with 553 MiB in use and a 27 MiB largest free block: the
+    # step held 40 MiB then, which a smaller micro-batch frees.
+    config = decider.make_config()
+    state = decider.init(config)
+    first = Failure(
+        1024, 42, 12288.0, 512.8 * MIB, 600 * MIB, in_use_bytes=552.9 * MIB,
+        allocation_bytes=31.6 * MIB, allocation_shape=(4, 3600, 576),
+        largest_free_bytes=26.7 * MIB,
+    )
+    decided, state = decider.fail(config, state, first)
+    assert decided.cannot_split is None and decided.micro_batches > 42
+    second = first._replace(micro_batches=decided.micro_batches)
+    again, state = decider.fail(config, state, second)
+    assert again.cannot_split is None, again
+    assert again.micro_batches > decided.micro_batches
+
+
 def test_an_allocation_that_does_not_shrink_is_reported_at_the_second_error():
     """A 27 MiB workspace [31, 784, 288] failing at 17, then 16, ... samples."""
     config = decider.make_config()
