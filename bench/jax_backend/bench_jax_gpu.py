@@ -80,12 +80,13 @@ def part_probe():
          jax_limit_mib=jax_sample.limit_bytes / _MIB)
 
 
-def _cnn(keras, size, width):
+def _small_cnn(keras):
+    """The CNN of `examples/jax_guard.py`: 2x Conv2D(32) on 32x32x3."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
-        keras.Input((size, size, 3)),
-        keras.layers.Conv2D(width, 3, activation="relu"),
-        keras.layers.Conv2D(width, 3, activation="relu"),
+        keras.Input((32, 32, 3)),
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.Conv2D(32, 3, activation="relu"),
         keras.layers.GlobalAveragePooling2D(),
         keras.layers.Dense(10),
     ])
@@ -103,8 +104,12 @@ def part_analysis(batch, k):
     from keras_memguard.training.compat import jax_state
     from keras_memguard.training.compat import symbolic_build
 
+    # The CNN of the analysis table measured on the CPU (bench_jax_plan.py).
+    from bench_jax_plan import cnn
+
     device = jax.devices()[0]
-    model = _cnn(keras, 64, 64)
+    keras.utils.set_random_seed(0)
+    model = cnn()[0]
     rng = np.random.default_rng(0)
     data = (jax.device_put(rng.normal(size=(batch, 64, 64, 3)).astype("float32")),
             jax.device_put(rng.integers(0, 10, size=(batch,)).astype("int32")))
@@ -137,7 +142,7 @@ def _train(plan, batch, log_dir):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2 * batch, 32, 32, 3)).astype("float32")
     y = rng.integers(0, 10, size=(2 * batch,))
-    model = _cnn(keras, 32, 32)
+    model = _small_cnn(keras)
     guard = keras_memguard.MemoryGuard(plan=plan, plan_cache=False, log_dir=log_dir)
     history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0,
                         callbacks=[keras_memguard.MemoryMonitor(log_dir=log_dir), guard])

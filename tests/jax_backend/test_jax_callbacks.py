@@ -24,6 +24,7 @@ from jax_models import max_weight_difference
 from jax_models import mlp_data
 from jax_models import twins
 from jax_models import wide_data
+from xla_errors import autotuner_out_of_memory
 from keras_memguard.errors import MemoryLimitUnknownError
 from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.errors import UnsupportedTrainingSetupError
@@ -195,20 +196,6 @@ def test_without_planning_a_batch_out_of_memory_is_replayed_in_one_jump(monkeypa
     assert runs[0] == 1 and guard.oom_recoveries == 1, runs
     assert history.history["micro_batches"] == [runs[1]] * 2
     assert max_weight_difference(model, plain) < 1e-5
-
-
-def autotuner_out_of_memory():
-    """The error XLA's GPU compiler raised on an H100 under a 256 MiB limit
-    when its autotuner could not allocate the buffers to try a convolution
-    in (abridged: the message lists every failed try)."""
-    return jax.errors.JaxRuntimeError(
-        "NOT_FOUND: Failed to get configs for: 5 out of 26 instructions. See logs "
-        "for all failures. Example failure: \nAll configs failed during profiling "
-        "or were excluded from selection.\nFailures (30):\nEXECUTION FAILED: "
-        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 466.00MiB with "
-        "allocator GPU_0_bfc on device 0. [tf-allocator-allocation-error='']",
-        5,
-    )
 
 
 def test_a_count_the_gpu_compiler_runs_out_of_memory_compiling_is_planned_past(monkeypatch):

@@ -21,6 +21,7 @@ from keras_memguard.jax_training import StepCache
 from keras_memguard.jax_training import is_out_of_memory
 from keras_memguard.training.compat import jax_state
 from keras_memguard.jax_training.replay import failed_allocation_bytes
+from xla_errors import autotuner_out_of_memory
 
 RESOURCE_EXHAUSTED = 8
 
@@ -82,11 +83,7 @@ def test_a_gpu_out_of_memory_error_and_the_autotuner_s_are_recognized():
     assert failed_allocation_bytes(runtime) == 408 * 2**20
     # Compiling fails with another status when XLA's autotuner could not
     # allocate the buffers to try a kernel in; the step needs that memory too.
-    autotuner = jax.errors.JaxRuntimeError(
-        "NOT_FOUND: Failed to get configs for: 5 out of 26 instructions. "
-        "Failures (30):\nEXECUTION FAILED: RESOURCE_EXHAUSTED: Out of memory while "
-        "trying to allocate 466.00MiB with allocator GPU_0_bfc on device 0.", 5
-    )
+    autotuner = autotuner_out_of_memory()
     assert is_out_of_memory(autotuner)
     assert failed_allocation_bytes(autotuner) == 466 * 2**20
     assert not is_out_of_memory(
