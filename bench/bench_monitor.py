@@ -279,7 +279,8 @@ def timed_hooks_in_fit(x, y, log_dir):
     their bound methods at train begin, so the wrappers are what runs).
     The guard's work before each step is timed from the call of its train
     function's `run` to the call of `step_for` (the batch's sizes and the
-    plan), and its plan hook (`TfTrainingRun.plan_batch`) on its own. One warm-up fit,
+    plan), and its plan hook (`TfTrainingRun.plan_batch`) on its own, and the
+    batches whose plan was computed (`decider.plan`). One warm-up fit,
     then the medians over the batches of a second fit.
     """
     monitor = MemoryMonitor(log_dir=log_dir)
@@ -339,6 +340,8 @@ def timed_hooks_in_fit(x, y, log_dir):
     wrap(TfTrainingRun, "_contribute", "MemoryGuard: after the train function")
     wrap(guard, "on_train_batch_end", "MemoryGuard.on_train_batch_end")
     wrap(TfTrainingRun, "plan_batch", "  of which TfTrainingRun.plan_batch")
+    # The controller reuses a plan while nothing it depends on changed.
+    wrap(decider, "plan", "    of which decider.plan, when computed")
     try:
         for _ in range(2):
             for times in durations.values():
@@ -348,7 +351,12 @@ def timed_hooks_in_fit(x, y, log_dir):
     finally:
         for owner, name, inner in wrapped:
             setattr(owner, name, inner)
-    return {label: statistics.median(times) * 1e6 for label, times in durations.items()}
+    batches = len(durations["MemoryGuard.on_train_batch_end"])
+    computed = len(durations.get("    of which decider.plan, when computed", ()))
+    medians = {
+        label: statistics.median(times) * 1e6 for label, times in durations.items() if times
+    }
+    return medians, (computed, batches)
 
 
 def main():
@@ -490,7 +498,7 @@ def main():
         print(f"bare step: {step_ms:.2f} ms")
     print(f"event files under {tmp}")
 
-    hooks = timed_hooks_in_fit(x, y, os.path.join(tmp, "hooks"))
+    hooks, (computed, batches) = timed_hooks_in_fit(x, y, os.path.join(tmp, "hooks"))
     print()
     print("| In a real fit, MemoryMonitor + MemoryGuard (log_dir set) "
           "| median per batch (us) |")
@@ -499,6 +507,7 @@ def main():
         print(f"| {label} | {us:.2f} |")
     total = sum(us for label, us in hooks.items() if not label.startswith(" "))
     print(f"| sum | {total:.2f} |")
+    print(f"decider.plan computed for {computed} of {batches} batches")
 
     if args.profile:
         call, _, close = fit_path(os.path.join(tmp, "profile"), True, plan=True)

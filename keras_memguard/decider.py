@@ -89,6 +89,7 @@ __all__ = [
     "fail",
     "fail_evaluation",
     "from_dict",
+    "in_use_planned_for",
     "init",
     "make_config",
     "micro_batches_text",
@@ -111,7 +112,8 @@ HYSTERESIS = 0.05
 # layer outputs (kept for the backward pass, their gradients, temporaries).
 FIRST_SPLIT_ACTIVATIONS = 4.0
 # The recent high of the memory held outside the step falls by this share
-# of the limit per batch observed.
+# of the limit per batch observed while the memory in use before a batch
+# stays below it by more than that.
 OUTSIDE_DECAY = 0.01
 # The replay after an out-of-memory error is sized at this share of what
 # the error says would have fitted.
@@ -286,7 +288,10 @@ class DeciderState(NamedTuple):
             first split keeps `FIRST_SPLIT_ACTIVATIONS` times that per
             sample within the memory free.
         outside_bytes: The recent high of the memory in use before a batch,
-            falling by `OUTSIDE_DECAY` of the limit per batch observed.
+            falling by `OUTSIDE_DECAY` of the limit per batch observed with
+            less than that in use before it (within that band it holds, so
+            the bytes the memory in use moves by from batch to batch do not
+            change the state).
         failed_allocation: `(shape, micro_batch_size)` of the last failed
             allocation, or `None`.
         shapes: `((batch_size, sample_size), k)` the count each recent
@@ -638,6 +643,35 @@ def _remember(state, shape, k):
     return state._replace(micro_batches=k, shapes=shapes)
 
 
+def in_use_planned_for(state, in_use_bytes):
+    """The memory in use a plan is made for, in bytes, or `None`.
+
+    The memory in use right before the batch or the recent high held
+    outside the step (`state.outside_bytes`: an input pipeline's buffers
+    that came and went can come back while the step runs), whichever is
+    higher. `plan` depends on the batch's `in_use_bytes` only through this
+    value, so a caller may reuse a plan for the same state and batch shape
+    while it is unchanged: the bytes the memory in use moves by from batch
+    to batch under that high then cost no planning.
+
+    Args:
+        state: A `DeciderState`.
+        in_use_bytes: Memory in use right before the batch, or `None`.
+
+    Returns:
+        A float, or `None` when `in_use_bytes` is `None`.
+
+    Example:
+
+    >>> state = init(make_config())._replace(outside_bytes=300.0)
+    >>> in_use_planned_for(state, 250.0), in_use_planned_for(state, 320.0)
+    (300.0, 320.0)
+    """
+    if in_use_bytes is None:
+        return None
+    return max(float(in_use_bytes), state.outside_bytes)
+
+
 def _usage(state, batch, k):
     demand = predict_demand(state, -(-batch.batch_size // k) * batch.sample_size)
     if demand is None:
@@ -677,14 +711,15 @@ def plan(config, state, batch):
         k = max(low, min(high, previous))
         return Plan(k, previous, None, HELD), state
     shape = (batch_size, batch.sample_size)
+    planned_in_use = in_use_planned_for(state, batch.in_use_bytes)
     if not state.readings and not state.failures:
         k = _remembered(state, shape) or config.first_split
-        if state.sample_bytes and batch.in_use_bytes is not None:
+        if state.sample_bytes and planned_in_use is not None:
             # The layer outputs of a micro-batch, several times over, in
             # the memory free now.
             budget = (
                 config.threshold * batch.limit_bytes
-                - batch.in_use_bytes
+                - planned_in_use
                 - state.fixed_bytes
             )
             per_sample = FIRST_SPLIT_ACTIVATIONS * state.sample_bytes
@@ -692,9 +727,8 @@ def plan(config, state, batch):
             k = max(k, -(-batch_size // max(largest, 1)))
         k = max(low, min(high, k))
         return Plan(k, previous, None, FIRST_SPLIT), _remember(state, shape, k)
-    # Memory held outside the step that came and went in recent batches
-    # (an input pipeline's buffers) can come back while this step runs.
-    in_use = max(batch.in_use_bytes or 0.0, state.outside_bytes)
+    # Unknown memory in use: at least what was held outside the step.
+    in_use = state.outside_bytes if planned_in_use is None else planned_in_use
     target = config.threshold * batch.limit_bytes
     k, fits = _count_for(config, state, batch_size, batch.sample_size, target - in_use)
     ran_with = _remembered(state, shape)
@@ -719,7 +753,9 @@ def plan(config, state, batch):
         k = min(ran_with, max(k, calm))
     measured = None
     if ran_with is not None and k > ran_with:
-        measured = _measured_usage(config, state, batch, ran_with)
+        measured = _measured_usage(
+            config, state, batch._replace(in_use_bytes=planned_in_use), ran_with
+        )
         if measured is not None:
             k = ran_with
     predicted = measured or _usage(state, batch._replace(in_use_bytes=in_use), k)
@@ -862,7 +898,11 @@ def observe(config, state, reading):
     # there around this one too (a pipeline's buffer fills before one step
     # or during it): the peak was measured with that much in use.
     peaks = _record_peak(state, readings, work, float(peak), max(before, state.outside_bytes))
-    outside = max(before, state.outside_bytes - OUTSIDE_DECAY * reading.limit_bytes, 0.0)
+    outside = state.outside_bytes
+    if before > outside:
+        outside = before
+    elif before < outside - OUTSIDE_DECAY * reading.limit_bytes:
+        outside = max(outside - OUTSIDE_DECAY * reading.limit_bytes, 0.0)
     if (
         readings is state.readings
         and peaks is state.peaks

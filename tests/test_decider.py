@@ -112,6 +112,52 @@ def test_memory_held_outside_the_step_is_planned_around_batch_by_batch():
     assert busy.predicted_usage < 0.9
 
 
+def test_a_plan_depends_on_the_memory_in_use_only_through_what_it_is_planned_for():
+    """What lets the guard reuse a plan while the memory in use moves by
+    some bytes under the recent high held outside the step."""
+    config = decider.make_config()
+    rng = random.Random(1)
+    checked = 0
+    for seed in range(6):
+        in_use = lambda i, seed=seed: (seed * 40 + rng.choice([50, 250, 400])) * MIB
+        _, state = run(config, decider.init(config), 1024, in_use=in_use, batches=seed + 2)
+        outside = state.outside_bytes
+        assert outside > 0
+        for in_use_now in (0.0, outside / 2, outside - 1.0, outside):
+            assert decider.in_use_planned_for(state, in_use_now) == outside
+            assert decider.plan(config, state, Batch(1024, 1.0, in_use_now, LIMIT)) == (
+                decider.plan(config, state, Batch(1024, 1.0, outside, LIMIT))
+            )
+            checked += 1
+        above = decider.plan(config, state, Batch(1024, 1.0, outside + 100 * MIB, LIMIT))[0]
+        assert above.micro_batches >= decider.plan(
+            config, state, Batch(1024, 1.0, outside, LIMIT)
+        )[0].micro_batches
+    assert checked == 24
+
+
+def test_memory_in_use_moving_by_some_bytes_teaches_nothing_new():
+    config = decider.make_config()
+    state = decider.init(config)
+    state = decider.observe(
+        config, state, Reading(64, 2, 1.0, 100 * MIB, 300 * MIB, LIMIT)
+    )[1]
+    for before in (100 * MIB - 4096, 100 * MIB - 1.0, 100 * MIB - 2 * MIB):
+        assert decider.observe(
+            config, state, Reading(64, 2, 1.0, before, 300 * MIB - 2 * MIB, LIMIT)
+        )[1] is state
+    # Well under the recent high (more than 1% of the limit): it falls.
+    lower = decider.observe(
+        config, state, Reading(64, 2, 1.0, 50 * MIB, 250 * MIB, LIMIT)
+    )[1]
+    assert lower.outside_bytes == 100 * MIB - decider.OUTSIDE_DECAY * LIMIT
+    # Above it: the new high at once.
+    higher = decider.observe(
+        config, state, Reading(64, 2, 1.0, 120 * MIB, 320 * MIB, LIMIT)
+    )[1]
+    assert higher.outside_bytes == 120 * MIB
+
+
 def test_a_moving_baseline_never_causes_an_error_and_the_count_settles():
     config = decider.make_config()
     rng = random.Random(0)

@@ -243,15 +243,28 @@ def test_each_batch_runs_at_the_deciders_count_and_an_unchanged_plan_is_reused(
     assert all(k == fresh for k, fresh in planned), planned
     # The same state, batch shape and memory in use: not computed again.
     controller = guard.controller
+    outside = controller.state.outside_bytes
+    assert outside > 0
     computed.clear()
     sample_size = 24.0 * 24 * 3
-    k = controller.plan(50, sample_size, 1000.0)
-    assert controller.plan(50, sample_size, 1000.0) == k
+    k = controller.plan(50, sample_size, outside + 1000.0)
+    assert controller.plan(50, sample_size, outside + 1000.0) == k
     assert len(computed) == 1
+    # Memory in use that moves under the recent high held outside the step
+    # is planned for that high: computed once, then reused.
+    below = controller.plan(50, sample_size, outside - 1000.0)
+    assert controller.plan(50, sample_size, outside - 2000.0) == below
+    assert len(computed) == 2
+    fresh = real_plan(
+        guard.config,
+        guard.state,
+        decider.Batch(50, sample_size, outside - 2000.0, controller.limit_bytes),
+    )
+    assert fresh[0].micro_batches == below
     # A new reading makes a new state: computed afresh.
     controller.observe(decider.Reading(50, k, sample_size, 0.0, float(1 << 35), float(1 << 40)))
     controller.plan(50, sample_size, 1000.0)
-    assert len(computed) == 2 and computed[-1][1] is not computed[0][1]
+    assert len(computed) == 3 and computed[-1][1] is not computed[0][1]
 
 
 def test_other_errors_pass_through_untouched():

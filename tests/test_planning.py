@@ -350,7 +350,15 @@ def test_numpy_arrays_through_keras_own_pipeline_run_with_no_error_under_a_real_
     result = capped_result("planning_under_cap", 600, 1024, 4, "numpy")
     assert result["samples"] == [4 * 1024.0]
     assert result["oom_recoveries"] == 0, result
-    assert len(set(result["ks"][1:])) == 1, result  # a steady count
+    # A steady count. The memory the pipeline holds moves by up to 60 MiB
+    # during a step (and drains at the epoch's end), so from the second
+    # batch on the count may go down as room shows; it goes up only after
+    # a batch that peaked near the target, never by itself.
+    ks, usages = result["ks"], result["usages"]
+    assert len(usages) == len(ks) == 4, result
+    for i in range(2, len(ks)):
+        assert ks[i] <= ks[i - 1] or usages[i - 1] >= 0.8, result
+    assert max(usages[1:]) < 0.95, result
 
 
 def test_a_prefetched_pipeline_settles_alike_run_after_run_from_an_empty_cache(tmp_path):

@@ -51,7 +51,7 @@ class GuardController:
         # The rungs switched on, and those refused with why.
         self.rungs_on = ()
         self.rungs_refused = {}
-        # The last plan: (state, batch_size, sample_size, in_use, k).
+        # The last plan: (state, batch_size, sample_size, planned in use, k).
         self._memo = None
         # The plan cache entry this set-up's state is kept under, or None.
         self.plan_key = None
@@ -85,12 +85,14 @@ class GuardController:
         """
         memo = self._memo
         state = self.state
+        # The plan depends on the memory in use only through this value.
+        planned_in_use = decider.in_use_planned_for(state, in_use_bytes)
         if (
             memo is not None
             and memo[0] is state
             and memo[1] == batch_size
             and memo[2] == sample_size
-            and memo[3] == in_use_bytes
+            and memo[3] == planned_in_use
         ):
             return memo[4]
         decided, self.state = decider.plan(
@@ -101,7 +103,7 @@ class GuardController:
         k = decided.micro_batches
         if decided.changed:
             messages.log_plan(decided, batch_size)
-        self._memo = (self.state, batch_size, sample_size, in_use_bytes, k)
+        self._memo = (self.state, batch_size, sample_size, planned_in_use, k)
         return k
 
     def one_sample_fits(self, batch_size, sample_size, in_use_bytes):

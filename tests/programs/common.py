@@ -61,14 +61,18 @@ class SampleCount(keras.metrics.Metric):
 
 
 class MicroBatchCounts(keras.callbacks.Callback):
-    """Records the micro-batch count each batch ran with (`ks`)."""
+    """Records the micro-batch count each batch ran with (`ks`), and its
+    peak usage (`usages`) where a `MemoryMonitor` logs it."""
 
     def __init__(self):
         super().__init__()
         self.ks = []
+        self.usages = []
 
     def on_train_batch_end(self, batch, logs=None):
         self.ks.append(int(logs["micro_batches"]))
+        if "memory_usage" in logs:
+            self.usages.append(float(logs["memory_usage"]))
 
 
 def collect_package_messages():

@@ -58,11 +58,16 @@ def guarded_run():
         data = {"x": x, "y": y, "batch_size": BATCH, "shuffle": False}
     else:
         data = {"x": dataset()}
-    history = make_model().fit(**data, epochs=1, verbose=0, callbacks=[ks, guard])
+    callbacks = [ks, guard]
+    if INPUT == "numpy":
+        # Each batch's peak usage, read with the guard's own reading.
+        callbacks.append(keras_memguard.MemoryMonitor())
+    history = make_model().fit(**data, epochs=1, verbose=0, callbacks=callbacks)
     return {
         "samples": history.history["samples"],
         "oom_recoveries": guard.oom_recoveries,
         "ks": ks.ks,
+        "usages": ks.usages,
         "messages": list(messages),
     }
 
