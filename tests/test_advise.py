@@ -9,7 +9,6 @@ under the same cap.
 """
 
 import json
-import os
 import subprocess
 import sys
 

@@ -19,7 +19,6 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax  # noqa: E402
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 
 from keras_memguard.jax_training import StepCache  # noqa: E402
 from keras_memguard.training.compat import jax_state  # noqa: E402

@@ -17,7 +17,6 @@ import logging
 from keras_memguard import decider
 from keras_memguard import oom_explanation
 from keras_memguard.callbacks import messages
-from keras_memguard.callbacks.controller import GuardController
 from keras_memguard.errors import MicroBatchTooLargeError
 
 logger = logging.getLogger("keras_memguard")

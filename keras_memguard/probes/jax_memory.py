@@ -20,7 +20,6 @@ import numbers
 import re
 from typing import NamedTuple, Optional
 
-from keras_memguard.probes.base import MIB
 from keras_memguard.probes.base import AllocatorSample
 from keras_memguard.probes.base import check_bytes
 from keras_memguard.probes.base import warn_at_user_code

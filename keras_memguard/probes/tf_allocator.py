@@ -1,7 +1,6 @@
 """Reads TensorFlow's allocator: current and per-interval peak bytes."""
 
 import logging
-import numbers
 import os
 import re
 from typing import NamedTuple, Optional

@@ -30,7 +30,6 @@ from keras_memguard.training.accumulation import build_metrics
 from keras_memguard.training.accumulation import compiled_loss_compute
 from keras_memguard.training.accumulation import flat_tensors
 from keras_memguard.training.accumulation import run_micro_batches
-from keras_memguard.training.splitting import first_tensor
 from keras_memguard.training.splitting import validate_micro_batches
 from keras_memguard.training.splitting import validate_mode
 

@@ -8,7 +8,6 @@ the longest bucket does run out of memory here. Reports through
 `emit_result`.
 """
 
-import keras
 import tensorflow as tf
 
 import keras_memguard
