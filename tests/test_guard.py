@@ -112,6 +112,12 @@ def test_single_sample_that_does_not_fit_raises_a_clear_error(capped_run):
     assert "Tried: 1 micro-batch of one sample; no rung was allowed" in message
     assert 'escalate=("remat",)' in message
     assert peak is None or f"{peak / MIB:.1f} MiB" in message
+    # A rung the guard would refuse for this model is not offered: it says why.
+    message = capped_run["too_large_branched"][0]
+    assert "single sample" in message and "mixed precision" in message
+    assert 'escalate=("remat",)' not in message
+    assert "the remat rung cannot be used on this model: layer '" in message, message
+    assert "does not take the previous layer's output" in message, message
 
 
 # --- Decisions from measured peaks (in process, no OOM). ---

@@ -120,6 +120,22 @@ def test_the_error_past_the_last_rung_says_what_was_tried():
     assert "then the rungs: remat (not possible: layer 'dropout'" in message
 
 
+def test_the_remat_rung_is_offered_only_where_it_could_be_used():
+    from keras_memguard.callbacks.messages import too_large
+
+    offered = too_large(4, 4, None, None, offer_remat=True)
+    assert 'HINT: `MemoryGuard(escalate=("remat",))`' in offered
+    refused = too_large(
+        4, 4, None, None, remat_refusal="layer 'add' does not take the previous layer's output"
+    )
+    assert "escalate=" not in refused
+    assert "the remat rung cannot be used on this model: layer 'add'" in refused
+    # Evaluation, prediction and the JAX backend have no rungs to offer.
+    plain = too_large(4, 4, None, None)
+    assert "Tried: 4 micro-batches of one sample. HINT: use mixed precision" in plain
+    assert "rung" not in plain
+
+
 @pytest.mark.slow
 def test_keras_applications_vgg16_trains_alike_with_the_rung_and_others_say_why_not():
     rng = np.random.default_rng(0)

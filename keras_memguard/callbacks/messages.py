@@ -219,19 +219,38 @@ def _mib(value):
     return f"{value / _MIB:.1f} MiB" if value else "unknown"
 
 
-def too_large(batch_size, micro_batches, peak, limit, escalate=(), rungs_tried=()):
-    """`MicroBatchTooLargeError`'s text when one sample does not fit."""
+def too_large(
+    batch_size,
+    micro_batches,
+    peak,
+    limit,
+    escalate=(),
+    rungs_tried=(),
+    remat_refusal=None,
+    offer_remat=False,
+):
+    """`MicroBatchTooLargeError`'s text when one sample does not fit.
+
+    With no rung allowed, the remat rung is offered only where it can be
+    used (`offer_remat`), and where it cannot, why (`remat_refusal`), so
+    the hint is not one the guard would then refuse; evaluation, prediction
+    and backends without rungs mention neither.
+    """
     counted = micro_batches_text(micro_batches)
     tried = f" Tried: {counted} of one sample"
     if rungs_tried:
         tried += f", then the rungs: {', '.join(rungs_tried)}."
     elif escalate:
         tried += "."
-    else:
+    elif offer_remat:
         tried += (
             "; no rung was allowed. HINT: `MemoryGuard(escalate=(\"remat\",))` "
             "recomputes activations in the backward pass instead of keeping them."
         )
+    elif remat_refusal:
+        tried += f"; the remat rung cannot be used on this model: {remat_refusal}."
+    else:
+        tried += "."
     return (
         f"A micro-batch of a single sample does not fit in device memory: the "
         f"batch of {_samples(batch_size)} ran out of "

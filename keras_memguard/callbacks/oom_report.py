@@ -52,8 +52,21 @@ def report(guard, explanation):
     logger.warning("%s", text)
 
 
-def cannot_split_error(guard, decided, batch_size, micro_batches, evaluating=False):
-    """The `MicroBatchTooLargeError` for a batch no count can help."""
+def cannot_split_error(
+    guard,
+    decided,
+    batch_size,
+    micro_batches,
+    evaluating=False,
+    remat_refusal=None,
+    offer_remat=False,
+):
+    """The `MicroBatchTooLargeError` for a batch no count can help.
+
+    `offer_remat` and `remat_refusal` are `messages.too_large`'s: whether
+    the remat rung can be used on the model, else why not (training on
+    TensorFlow only).
+    """
     samples = guard._reader.read(guard, None)
     peak = max((s.peak_bytes or 0 for s in samples), default=0) or None
     limit = max((l or 0 for l in guard._limits), default=0) or None
@@ -65,7 +78,14 @@ def cannot_split_error(guard, decided, batch_size, micro_batches, evaluating=Fal
             for rung, reason in controller.rungs_refused.items()
         )
         message = messages.too_large(
-            batch_size, micro_batches, peak, limit, guard.escalate, tried
+            batch_size,
+            micro_batches,
+            peak,
+            limit,
+            guard.escalate,
+            tried,
+            remat_refusal=remat_refusal,
+            offer_remat=offer_remat,
         )
     elif decided.cannot_split == decider.CANNOT_SPLIT_ALLOCATION:
         message = messages.allocation_does_not_shrink(decided.reason, batch_size, peak, limit)

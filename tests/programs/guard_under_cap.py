@@ -1,5 +1,6 @@
 """MemoryGuard under a 600 MiB cap: plain fit runs out of memory, guarded fit
-replays (three out-of-memory errors), and a model too large for one sample.
+replays (three out-of-memory errors), and two models too large for one
+sample (a chain of layers, and one with a skip connection).
 
 Run by tests/test_guard.py; reports through `emit_result`.
 """
@@ -42,15 +43,25 @@ def main():
     out["weights"] = [w.tolist() for w in model.get_weights()[-2:]]
     out["iterations"] = int(model.optimizer.iterations.numpy())
 
+    # One sample does not fit: a chain of layers (the remat rung could
+    # serve it) and a model with a skip connection (it could not).
     big = keras.Sequential([keras.Input((512, 512, 3)), keras.layers.Conv2D(512, 3),
+                            keras.layers.Activation("relu"),
                             keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(1)])
-    big.compile("sgd", "mse")
-    try:
-        big.fit(np.zeros((1, 512, 512, 3), "float32"), np.zeros((1, 1), "float32"),
-                batch_size=1, verbose=0, callbacks=[keras_memguard.MemoryGuard()])
-        out["too_large"] = None
-    except keras_memguard.MicroBatchTooLargeError as error:
-        out["too_large"] = [str(error), error.limit_bytes, error.peak_bytes]
+    inputs = keras.Input((512, 512, 3))
+    wide = keras.layers.Conv2D(512, 3, padding="same")(inputs)
+    skip = keras.layers.Add()([inputs, keras.layers.Conv2D(3, 1)(wide)])
+    branched = keras.Model(
+        inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling2D()(skip))
+    )
+    for name, model in (("too_large", big), ("too_large_branched", branched)):
+        model.compile("sgd", "mse")
+        try:
+            model.fit(np.zeros((1, 512, 512, 3), "float32"), np.zeros((1, 1), "float32"),
+                      batch_size=1, verbose=0, callbacks=[keras_memguard.MemoryGuard()])
+            out[name] = None
+        except keras_memguard.MicroBatchTooLargeError as error:
+            out[name] = [str(error), error.limit_bytes, error.peak_bytes]
     emit_result(out)
 
 
