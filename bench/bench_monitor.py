@@ -271,6 +271,10 @@ def fit_path(log_dir, with_guard, plan=False):
     return call, _writer_flush(monitor), close
 
 
+# The label of `decider.plan`'s calls in `timed_hooks_in_fit`.
+PLANS_COMPUTED = "    of which decider.plan, when computed"
+
+
 def timed_hooks_in_fit(x, y, log_dir):
     """Microseconds per batch of each per-batch hook, in a real `fit`.
 
@@ -341,7 +345,7 @@ def timed_hooks_in_fit(x, y, log_dir):
     wrap(guard, "on_train_batch_end", "MemoryGuard.on_train_batch_end")
     wrap(TfTrainingRun, "plan_batch", "  of which TfTrainingRun.plan_batch")
     # The controller reuses a plan while nothing it depends on changed.
-    wrap(decider, "plan", "    of which decider.plan, when computed")
+    wrap(decider, "plan", PLANS_COMPUTED)
     try:
         for _ in range(2):
             for times in durations.values():
@@ -352,7 +356,7 @@ def timed_hooks_in_fit(x, y, log_dir):
         for owner, name, inner in wrapped:
             setattr(owner, name, inner)
     batches = len(durations["MemoryGuard.on_train_batch_end"])
-    computed = len(durations.get("    of which decider.plan, when computed", ()))
+    computed = len(durations.get(PLANS_COMPUTED, ()))
     medians = {
         label: statistics.median(times) * 1e6 for label, times in durations.items() if times
     }

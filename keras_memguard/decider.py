@@ -899,10 +899,11 @@ def observe(config, state, reading):
     # or during it): the peak was measured with that much in use.
     peaks = _record_peak(state, readings, work, float(peak), max(before, state.outside_bytes))
     outside = state.outside_bytes
+    decay = OUTSIDE_DECAY * reading.limit_bytes
     if before > outside:
         outside = before
-    elif before < outside - OUTSIDE_DECAY * reading.limit_bytes:
-        outside = max(outside - OUTSIDE_DECAY * reading.limit_bytes, 0.0)
+    elif before < outside - decay:
+        outside = max(outside - decay, 0.0)
     if (
         readings is state.readings
         and peaks is state.peaks

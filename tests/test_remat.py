@@ -123,7 +123,7 @@ def test_the_error_past_the_last_rung_says_what_was_tried():
 def test_the_remat_rung_is_offered_only_where_it_could_be_used():
     from keras_memguard.callbacks.messages import too_large
 
-    offered = too_large(4, 4, None, None, offer_remat=True)
+    offered = too_large(4, 4, None, None, remat_refusal=None)
     assert 'HINT: `MemoryGuard(escalate=("remat",))`' in offered
     refused = too_large(
         4, 4, None, None, remat_refusal="layer 'add' does not take the previous layer's output"

@@ -219,6 +219,11 @@ def _mib(value):
     return f"{value / _MIB:.1f} MiB" if value else "unknown"
 
 
+# `too_large`'s `remat_refusal` where no rung exists (evaluation,
+# prediction, the JAX backend).
+NO_RUNGS = object()
+
+
 def too_large(
     batch_size,
     micro_batches,
@@ -226,15 +231,14 @@ def too_large(
     limit,
     escalate=(),
     rungs_tried=(),
-    remat_refusal=None,
-    offer_remat=False,
+    remat_refusal=NO_RUNGS,
 ):
     """`MicroBatchTooLargeError`'s text when one sample does not fit.
 
     With no rung allowed, the remat rung is offered only where it can be
-    used (`offer_remat`), and where it cannot, why (`remat_refusal`), so
-    the hint is not one the guard would then refuse; evaluation, prediction
-    and backends without rungs mention neither.
+    used (`remat_refusal` is `None`); where it cannot (a str), the text
+    says why, so the hint is never one the guard would then refuse; with
+    `NO_RUNGS` it mentions no rung.
     """
     counted = micro_batches_text(micro_batches)
     tried = f" Tried: {counted} of one sample"
@@ -242,12 +246,12 @@ def too_large(
         tried += f", then the rungs: {', '.join(rungs_tried)}."
     elif escalate:
         tried += "."
-    elif offer_remat:
+    elif remat_refusal is None:
         tried += (
             "; no rung was allowed. HINT: `MemoryGuard(escalate=(\"remat\",))` "
             "recomputes activations in the backward pass instead of keeping them."
         )
-    elif remat_refusal:
+    elif remat_refusal is not NO_RUNGS:
         tried += f"; the remat rung cannot be used on this model: {remat_refusal}."
     else:
         tried += "."

@@ -58,14 +58,13 @@ def cannot_split_error(
     batch_size,
     micro_batches,
     evaluating=False,
-    remat_refusal=None,
-    offer_remat=False,
+    remat_refusal=messages.NO_RUNGS,
 ):
     """The `MicroBatchTooLargeError` for a batch no count can help.
 
-    `offer_remat` and `remat_refusal` are `messages.too_large`'s: whether
-    the remat rung can be used on the model, else why not (training on
-    TensorFlow only).
+    `remat_refusal` is `messages.too_large`'s: `None` where the remat rung
+    can be used on the model, else why not (training on TensorFlow), or
+    `messages.NO_RUNGS`.
     """
     samples = guard._reader.read(guard, None)
     peak = max((s.peak_bytes or 0 for s in samples), default=0) or None
@@ -85,7 +84,6 @@ def cannot_split_error(
             guard.escalate,
             tried,
             remat_refusal=remat_refusal,
-            offer_remat=offer_remat,
         )
     elif decided.cannot_split == decider.CANNOT_SPLIT_ALLOCATION:
         message = messages.allocation_does_not_shrink(decided.reason, batch_size, peak, limit)

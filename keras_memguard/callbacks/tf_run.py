@@ -333,14 +333,12 @@ class TfTrainingRun:
             return micro_batches
         if decided.cannot_split:
             oom_report.report(guard, explanation)
-            refusal = remat.can_remat(self.model)
             raise oom_report.cannot_split_error(
                 guard,
                 decided,
                 batch_size,
                 micro_batches,
-                remat_refusal=refusal,
-                offer_remat=refusal is None,
+                remat_refusal=remat.can_remat(self.model),
             ) from error
         new_k = decided.micro_batches
         oom_report.report(guard, explanation._replace(replayed_with=new_k))
