@@ -243,9 +243,12 @@ class JaxTrainingRun:
                 self.guard, decided, batch_size, failure.micro_batches
             ) from failure.error
         k = min(decided.micro_batches, batch_size)
-        if failure.memory is not None and failure.analyse is not None:
-            # The failed step compiled: the smallest larger count whose
-            # compiled step fits, where that is more than the decider's.
+        if failure.analyse is not None:
+            # The smallest larger count whose compiled step fits, where that
+            # is more than the decider's. Also where the failed count did not
+            # compile (a GPU's autotuner out of memory): the error then names
+            # only the autotuner's buffer, and counts that cannot compile
+            # either are planned past instead of replayed one by one.
             planned = _plan_from_analysis(
                 failure.analyse,
                 batch_size,

@@ -11,6 +11,7 @@ readings, then checks it by compiling it: usually two or three compilations
 find the smallest count that fits.
 """
 
+import math
 from typing import NamedTuple
 from typing import Optional
 from typing import Tuple
@@ -112,8 +113,9 @@ def plan_micro_batches(
             `1`.
         max_micro_batches: The largest count, or `None` for one sample per
             micro-batch. Defaults to `None`.
-        max_compiles: The most candidates compiled, an `int` >= 1. Defaults
-            to `8`.
+        max_compiles: The most candidates whose compile gives an analysis,
+            an `int` >= 1; as many more may fail to compile for lack of
+            memory. Defaults to `8`.
 
     Returns:
         A `CompiledPlan`.
@@ -174,7 +176,8 @@ def plan_micro_batches(
         )
         if (hi is not None and hi - lo <= 1) or lo >= upper:
             break
-        if len(analysed) >= max_compiles:
+        compiled = sum(m is not None for m in analysed.values())
+        if compiled >= max_compiles or len(analysed) - compiled >= max_compiles:
             break
         low, high = lo + 1, (hi - 1 if hi is not None else upper)
         if state is None:
@@ -192,6 +195,12 @@ def plan_micro_batches(
             candidate = a
         elif hi is None:
             candidate = high  # check that one sample per micro-batch fails too
+        elif not predicted_fit(hi, analysed[hi]):
+            # The model is wrong where a step compiled: a GPU's autotuner
+            # picks kernels whose workspace differs from count to count, so
+            # the analyses need not fall with the micro-batch. Halve the gap
+            # (geometrically) instead of settling for `hi`.
+            candidate = max(low, min(high, math.isqrt(max(lo, 1) * hi)))
         else:
             break  # the model says nothing below `hi` fits
         if candidate in analysed:

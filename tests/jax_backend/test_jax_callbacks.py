@@ -225,6 +225,35 @@ def test_a_count_the_gpu_compiler_runs_out_of_memory_compiling_is_planned_past(m
     assert max_weight_difference(model, plain) < 1e-5
 
 
+def test_without_planning_counts_that_cannot_compile_are_replayed_past_in_one_jump(monkeypatch):
+    # On an H100 under a 256 MiB limit, with `plan=False`, every count below
+    # the one that fitted ran out of memory while compiling (XLA's
+    # autotuner), and each replay went one decider step further: 1, 4, 6,
+    # 8, 11, 15, 20 (6 errors). The replay now compiles larger counts
+    # first, as planning does, and runs the first that compiles.
+    plain, model = twins(make_mlp)
+    x, y = mlp_data()
+    tried = []
+    compiled = StepCache.compiled
+
+    def compiling_out_of_memory_below_8(self, micro_batches, state, data):
+        tried.append(micro_batches)
+        if micro_batches < 8:
+            raise autotuner_out_of_memory()
+        return compiled(self, micro_batches, state, data)
+
+    monkeypatch.setattr(StepCache, "compiled", compiling_out_of_memory_below_8)
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40, plan=False)
+    fit = dict(batch_size=20, epochs=1, shuffle=False, verbose=0)
+    history = model.fit(x, y, callbacks=[guard], **fit)
+    monkeypatch.undo()
+    plain.fit(x, y, **fit)
+
+    assert guard.oom_recoveries == 1, tried
+    assert history.history["micro_batches"] == [8]
+    assert max_weight_difference(model, plain) < 1e-5
+
+
 def test_one_sample_per_micro_batch_out_of_memory_raises_the_guard_error(monkeypatch):
     model = make_mlp()
     x, y = mlp_data()
