@@ -198,31 +198,42 @@ def test_without_planning_a_batch_out_of_memory_is_replayed_in_one_jump(monkeypa
     assert max_weight_difference(model, plain) < 1e-5
 
 
-def test_a_count_the_gpu_compiler_runs_out_of_memory_compiling_is_planned_past(monkeypatch):
+def fit_compiling_out_of_memory_below(monkeypatch, smallest, **guard_options):
+    """Fits the MLP where counts below `smallest` run out of memory while
+    compiling (XLA's autotuner on a GPU), and its plain twin beside it.
+
+    Returns:
+        `(history, guard, counts tried, largest weight difference)`.
+    """
     plain, model = twins(make_mlp)
     x, y = mlp_data()
     tried = []
     compiled = StepCache.compiled
 
-    def compiling_out_of_memory_below_4(self, micro_batches, state, data):
+    def compiling_out_of_memory(self, micro_batches, state, data):
         tried.append(micro_batches)
-        if micro_batches < 4:
+        if micro_batches < smallest:
             raise autotuner_out_of_memory()
         return compiled(self, micro_batches, state, data)
 
-    monkeypatch.setattr(StepCache, "compiled", compiling_out_of_memory_below_4)
-    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40)
+    monkeypatch.setattr(StepCache, "compiled", compiling_out_of_memory)
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40, **guard_options)
     fit = dict(batch_size=20, epochs=1, shuffle=False, verbose=0)
     history = model.fit(x, y, callbacks=[guard], **fit)
     monkeypatch.undo()
     plain.fit(x, y, **fit)
+    return history, guard, tried, max_weight_difference(model, plain)
+
+
+def test_a_count_the_gpu_compiler_runs_out_of_memory_compiling_is_planned_past(monkeypatch):
+    history, guard, tried, difference = fit_compiling_out_of_memory_below(monkeypatch, 4)
 
     # Planning tried 1, then twice that, then 4, which compiled and ran:
     # no step ran out of memory, nothing replayed.
     assert tried[:3] == [1, 2, 4], tried
     assert history.history["micro_batches"] == [4]
     assert guard.oom_recoveries == 0
-    assert max_weight_difference(model, plain) < 1e-5
+    assert difference < 1e-5
 
 
 def test_without_planning_counts_that_cannot_compile_are_replayed_past_in_one_jump(monkeypatch):
@@ -231,27 +242,13 @@ def test_without_planning_counts_that_cannot_compile_are_replayed_past_in_one_ju
     # autotuner), and each replay went one decider step further: 1, 4, 6,
     # 8, 11, 15, 20 (6 errors). The replay now compiles larger counts
     # first, as planning does, and runs the first that compiles.
-    plain, model = twins(make_mlp)
-    x, y = mlp_data()
-    tried = []
-    compiled = StepCache.compiled
-
-    def compiling_out_of_memory_below_8(self, micro_batches, state, data):
-        tried.append(micro_batches)
-        if micro_batches < 8:
-            raise autotuner_out_of_memory()
-        return compiled(self, micro_batches, state, data)
-
-    monkeypatch.setattr(StepCache, "compiled", compiling_out_of_memory_below_8)
-    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40, plan=False)
-    fit = dict(batch_size=20, epochs=1, shuffle=False, verbose=0)
-    history = model.fit(x, y, callbacks=[guard], **fit)
-    monkeypatch.undo()
-    plain.fit(x, y, **fit)
+    history, guard, tried, difference = fit_compiling_out_of_memory_below(
+        monkeypatch, 8, plan=False
+    )
 
     assert guard.oom_recoveries == 1, tried
     assert history.history["micro_batches"] == [8]
-    assert max_weight_difference(model, plain) < 1e-5
+    assert difference < 1e-5
 
 
 def test_one_sample_per_micro_batch_out_of_memory_raises_the_guard_error(monkeypatch):
