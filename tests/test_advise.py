@@ -221,6 +221,12 @@ def test_the_command_refuses_bad_input_with_status_2(model_file, capsys):
 
 CNN_CAP_MIB = 250
 CNN_BATCH = 32
+# One inter-op thread in the CNN's children: with TensorFlow's default on two
+# cores, independent ops of a step run side by side in an order that varies
+# from run to run, and the mixed-precision step's peak with it (41.7 to 59.3
+# MiB in `advise`, while float32 read 66.6 every time), so the saving came
+# out anywhere from 0.11 to 0.40. With one thread both measurements repeat.
+CNN_ENV = {"TF_NUM_INTEROP_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +237,7 @@ def cnn_advice(tmp_path_factory):
     advise_models.cnn().save(path)
     patch = pytest.MonkeyPatch()
     # The children inherit the cap (this process keeps the suite's own).
-    for name, value in memory_cap_env(CNN_CAP_MIB, base_env={}).items():
+    for name, value in memory_cap_env(CNN_CAP_MIB, base_env=CNN_ENV).items():
         patch.setenv(name, value)
     try:
         advice = keras_memguard.advise(
@@ -265,7 +271,9 @@ def test_advise_reports_every_variant_of_a_cnn_with_no_out_of_memory_error(cnn_a
 @pytest.mark.slow
 def test_advise_savings_agree_with_training_by_hand(cnn_advice):
     advice, _ = cnn_advice
-    run = run_with_memory_cap(programs.source("advise_by_hand", CNN_BATCH), CNN_CAP_MIB)
+    run = run_with_memory_cap(
+        programs.source("advise_by_hand", CNN_BATCH), CNN_CAP_MIB, env=CNN_ENV
+    )
     by_hand = 1 - run.result["mixed_float16"] / run.result["float32"]
     reported = {v.name: v for v in advice.variants}["mixed_float16"].peak_saving
     # Same sign and order of magnitude: mixed precision halves the
