@@ -221,11 +221,11 @@ def test_the_command_refuses_bad_input_with_status_2(model_file, capsys):
 
 CNN_CAP_MIB = 250
 CNN_BATCH = 32
-# One inter-op thread in the CNN's children: with TensorFlow's default on two
-# cores, independent ops of a step run side by side in an order that varies
-# from run to run, and the mixed-precision step's peak with it (41.7 to 59.3
-# MiB in `advise`, while float32 read 66.6 every time), so the saving came
-# out anywhere from 0.11 to 0.40. With one thread both measurements repeat.
+# One inter-op thread in the CNN's children: with TensorFlow's default,
+# independent ops of a step run side by side in an order that varies from
+# run to run, and the mixed-precision step's peak with it, so the saving
+# compared below did not repeat (bench/RESULTS.md, "The peaks `advise`
+# reads depend on TensorFlow's inter-op threads").
 CNN_ENV = {"TF_NUM_INTEROP_THREADS": "1"}
 
 
