@@ -112,7 +112,7 @@ def reserve(cap_mib):
     return reserved // MIB
 
 
-def ReserveAtTrainBegin(cap_mib=CAP_MIB):
+def reserve_at_train_begin(cap_mib=CAP_MIB):
     """A callback that reserves the rest of the cap when training starts,
     where the planning guard does: after Keras turned numpy arrays into
     tensors. Reserved before `fit`, the allocator hands the arrays and the
@@ -165,7 +165,7 @@ def child_cnn(spec):
     reserver = None
     if spec["by_hand_k"]:
         if spec.get("input") == "numpy":
-            reserver = ReserveAtTrainBegin()
+            reserver = reserve_at_train_begin()
             callbacks.append(reserver)
         else:
             reserved = reserve(CAP_MIB)
@@ -319,7 +319,7 @@ def child_apps(spec):
         callbacks = []
     elif spec["run"] == "fixed":
         # Reacting: a batch that peaks at the threshold raises the count.
-        callbacks.append(ReserveAtTrainBegin(spec["cap_mib"]))
+        callbacks.append(reserve_at_train_begin(spec["cap_mib"]))
         guard = keras_memguard.MemoryGuard(
             plan=False, micro_batches=spec["k"], cooldown=10**9
         )
