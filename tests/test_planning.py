@@ -103,12 +103,17 @@ def limit():
     # A limit whose 90% threshold lies halfway between the peaks at two
     # micro-batches and at one: the whole batch must be split, and the
     # first split (8) is finer than needed by more than the planner's
-    # hysteresis band, so a measured plan must lower it. (Halfway from the
+    # hysteresis band, so a measured plan may lower it. (Halfway from the
     # peak at 8 left the band too narrow when other tests' memory was in
     # use: the plan could stay at 8 with no reason to change.)
     whole, half = batch_peak(1), batch_peak(2)
-    assert whole > 1.3 * half, (whole, half)
-    return int((half + 0.5 * (whole - half)) / 0.9)
+    limit = int((half + 0.5 * (whole - half)) / 0.9)
+    # The peak at two fits under the threshold with the band to spare, and
+    # half a band more for noise. (Memory other tests left in use raises
+    # both peaks alike: their ratio fell from 1.4 alone to 1.28 late in the
+    # suite, while this margin held.)
+    assert 0.5 * (whole - half) > 1.5 * decider.HYSTERESIS * limit, (whole, half, limit)
+    return limit
 
 
 def guarded_fit(limit, epochs=1, **options):
