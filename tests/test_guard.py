@@ -12,6 +12,7 @@ import keras
 import keras_memguard
 from helpers import SampleCount
 from keras_memguard import decider
+from keras_memguard import oom_explanation
 from keras_memguard.callbacks import tf_run
 from keras_memguard.callbacks.sampling import shared_reader
 from keras_memguard.testing import run_with_memory_cap
@@ -178,6 +179,21 @@ def test_guard_can_start_split():
     history = model.fit(x, y, batch_size=50, epochs=1, verbose=0, callbacks=[guard, record])
     assert seen == [4, 4, 4, 4]
     assert history.history["samples"] == [200.0]
+
+
+@pytest.mark.parametrize("plan", [True, False])
+def test_the_decider_knows_the_layer_outputs_with_and_without_planning(plan):
+    # They bound a replay's demand from below: without them a replay after
+    # an error under plan=False was sized from the failed allocation alone
+    # (the design CNN at batch 256 under 300 MiB: 1, 2, 3, 6 micro-batches,
+    # three errors, where they give 1, 3, 6).
+    model = design_cnn()
+    rng = np.random.default_rng(0)
+    x = rng.random((16, 64, 64, 3), dtype=np.float32)
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40, plan=plan, plan_cache=False)
+    model.fit(x, rng.integers(0, 10, 16), batch_size=8, verbose=0, callbacks=[guard])
+    sample_bytes = guard.controller.state.sample_bytes
+    assert sample_bytes == oom_explanation.layer_output_bytes(model) > 0
 
 
 @pytest.mark.slow

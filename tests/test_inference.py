@@ -95,7 +95,7 @@ def test_under_a_real_cap_evaluate_and_predict_finish_where_plain_keras_runs_out
     reference = result["reference"]
     # Plain Keras runs out of memory at batch 512; the guard finishes.
     assert result["plain_evaluate_out_of_memory"], result
-    for run in ("replayed", "planned"):
+    for run in ("replayed", "planned", "replayed_beside_taken"):
         got = result[run]
         # Every sample counted once, and the metrics of the unsliced run.
         assert got["samples"] == reference["samples"] == 1024.0, (run, got)
@@ -104,6 +104,10 @@ def test_under_a_real_cap_evaluate_and_predict_finish_where_plain_keras_runs_out
     # Reacting: the whole batch fails once, the rest goes on in slices
     # sized from the error (one error, not a creep).
     assert result["replayed_oom"] == 1, result["messages"]
+    # Memory taken beside the step while the batch ran (as a prefetch
+    # thread does) is counted when the replay is sized: one error too.
+    assert result["taken_mib"] == 48.0
+    assert result["replayed_beside_taken_oom"] == 1, result["messages"]
     # Planning: no out-of-memory error at all.
     assert result["planned_oom"] == 0 and result["predict_oom"] == 0, result["messages"]
     assert result["predict_type"] == "ndarray"

@@ -94,8 +94,13 @@ class TfTrainingRun:
             )
             guard._started = True
         elif not guard._started and not guard.plan:
-            # No plan hook runs first: start from what is known now.
-            guard.controller.start(min(l for l in guard._limits if l), gradient_bytes(model))
+            # No plan hook runs first: start from what is known now (the
+            # layer outputs bound a replay's demand from below, as planning's).
+            guard.controller.start(
+                min(l for l in guard._limits if l),
+                gradient_bytes(model),
+                oom_explanation.layer_output_bytes(model),
+            )
             guard._started = True
         options = dict(
             micro_batches=guard.micro_batches,

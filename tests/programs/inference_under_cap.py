@@ -4,8 +4,11 @@ The 64x64x3 CNN of the benchmarks on 1024 numpy samples (Keras' own input
 pipeline). At batch 512 plain `evaluate` runs out of memory; the guard's
 runs are compared with plain runs at batch 32, which fit. A second model
 whose outputs (512 KiB a sample, 512 MiB in all) exceed the cap shows that
-the guard's `predict` keeps no output on the device. Run by
-tests/test_inference.py; reports through `emit_result`.
+the guard's `predict` keeps no output on the device. A third model, the
+same CNN behind a layer that takes 48 MiB on its first call and holds it,
+shows a replay sized beside memory taken while the batch ran (as an input
+pipeline's prefetch thread does). Run by tests/test_inference.py; reports
+through `emit_result`.
 """
 
 import numpy as np
@@ -14,11 +17,35 @@ import tensorflow as tf
 
 import keras_memguard
 from keras_memguard.testing import emit_result
-from programs.common import SampleCount, collect_package_messages, design_cnn
+from programs.common import SampleCount, cnn, collect_package_messages, design_cnn
 
 SAMPLES = 1024
 LARGE = 512
 SMALL = 32
+TAKEN_MIB = 48
+# What `TakesMemoryOnce` took: held until the run is over.
+TAKEN = []
+
+
+class TakesMemoryOnce(keras.layers.Layer):
+    """Passes its input on; its first call takes `TAKEN_MIB` and holds it.
+
+    Memory taken beside the step while a batch runs: the reading before the
+    batch does not count it, the reading after the batch's error does.
+    """
+
+    def call(self, x):
+        def take():
+            if not TAKEN:
+                TAKEN.append(tf.ones((TAKEN_MIB * 2**18,), tf.float32))
+            return tf.constant(0.0)
+
+        taken = tf.py_function(take, [], tf.float32)
+        taken.set_shape(())
+        return x + taken
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
 
 
 def out_of_memory(call):
@@ -50,6 +77,23 @@ def main():
         x, y, batch_size=LARGE, verbose=0, return_dict=True, callbacks=[reacting]
     )
     result["replayed_oom"] = reacting.eval_oom_recoveries
+
+    # The same weights (the layer draws no seed) behind the layer that
+    # takes memory during the first attempt.
+    taking = cnn(
+        (64, 64, 3),
+        lambda: [TakesMemoryOnce()]
+        + [keras.layers.Conv2D(64, 3, activation="relu") for _ in range(2)],
+        metrics=["accuracy", SampleCount()],
+    )
+    beside = keras_memguard.MemoryGuard(plan=False)
+    result["replayed_beside_taken"] = taking.evaluate(
+        x, y, batch_size=LARGE, verbose=0, return_dict=True, callbacks=[beside]
+    )
+    result["replayed_beside_taken_oom"] = beside.eval_oom_recoveries
+    result["taken_mib"] = sum(t.shape[0] for t in TAKEN) * 4 / 2**20
+    TAKEN.clear()
+    del taking
 
     guard = keras_memguard.MemoryGuard()
     result["planned"] = model.evaluate(
