@@ -89,6 +89,7 @@ __all__ = [
     "fail",
     "fail_evaluation",
     "from_dict",
+    "in_use_beside_replay",
     "in_use_planned_for",
     "init",
     "make_config",
@@ -670,6 +671,33 @@ def in_use_planned_for(state, in_use_bytes):
     if in_use_bytes is None:
         return None
     return max(float(in_use_bytes), state.outside_bytes)
+
+
+def in_use_beside_replay(before_bytes, after_bytes):
+    """The memory in use a replay runs beside, in bytes, or `None`.
+
+    The higher of the reading before the failed batch and the reading right
+    after its error (the failed attempt's tensors freed): an input
+    pipeline's prefetch thread may have filled a buffer while the batch ran,
+    which the reading before it missed.
+
+    Args:
+        before_bytes: Memory in use before the batch, or `None`.
+        after_bytes: Memory in use right after the error, or `None`.
+
+    Returns:
+        A float, or `None` when both are `None`.
+
+    Example:
+
+    >>> in_use_beside_replay(96.0, 128.0), in_use_beside_replay(128.0, None)
+    (128.0, 128.0)
+    """
+    if after_bytes is None:
+        return before_bytes
+    if before_bytes is None:
+        return float(after_bytes)
+    return float(max(before_bytes, after_bytes))
 
 
 def _usage(state, batch, k):

@@ -127,12 +127,9 @@ class InferenceRun:
     def _on_out_of_memory(self, batch_size, micro_batches, error):
         """Sizes the slices the rest of the batch goes on in, or raises."""
         explanation = self.explain(error, batch_size, micro_batches)
-        # The failed attempt's tensors are freed: what is in use now is what
-        # the slices run beside, more than before the batch where an input
-        # pipeline filled a buffer meanwhile.
-        now = self._in_use(self.reader.read(self.consumer, None))
-        if now is not None and (self._before is None or now > self._before):
-            self._before = now
+        self._before = decider.in_use_beside_replay(
+            self._before, self._in_use(self.reader.read(self.consumer, None))
+        )
         decided = self.controller.fail(
             decider.Failure(
                 batch_size,

@@ -305,13 +305,10 @@ class TfTrainingRun:
         # Each replica splits its own part of the (global) batch.
         replica_batch_size = function.last_replica_batch_size or batch_size
         explanation = oom_report.explain(guard, error, replica_batch_size, micro_batches)
-        if not self.multi_worker:
-            # The failed attempt's tensors are freed: what is in use now is
-            # what the replay runs beside, more than before the batch where
-            # an input pipeline filled a buffer meanwhile.
-            now = self._in_use(guard._reader.read(guard, None))
-            if now is not None and (self._before is None or now > self._before):
-                self._before = now
+        if not self.multi_worker:  # the workers agreed on the reading before
+            self._before = decider.in_use_beside_replay(
+                self._before, self._in_use(guard._reader.read(guard, None))
+            )
         failure = decider.Failure(
             replica_batch_size or _UNKNOWN_BATCH_SIZE,
             micro_batches,
