@@ -15,6 +15,7 @@ _EXPORTS = {
     "AllocatorProbe": "keras_memguard.probes.tf_allocator",
     "AllocatorSample": "keras_memguard.probes.base",
     "BatchSizeResult": "keras_memguard.batch_size_finder",
+    "CompiledStepOutOfMemoryError": "keras_memguard.errors",
     "DevicesAlreadyInitializedError": "keras_memguard.errors",
     "DistributedOutOfMemoryError": "keras_memguard.errors",
     "MemGuardError": "keras_memguard.errors",

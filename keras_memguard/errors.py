@@ -29,6 +29,27 @@ class MicroBatchTooLargeError(MemGuardError):
         self.limit_bytes = limit_bytes
 
 
+class CompiledStepOutOfMemoryError(MemGuardError):
+    """An XLA-compiled train step ran out of memory; the batch is not replayed.
+
+    After an out-of-memory error inside an XLA program, TensorFlow's
+    allocator can abort the whole process on the next step, so the guard
+    stops `fit` with this error instead of replaying the batch. The weights
+    are those after the last batch that completed; what the guard learned
+    is kept in its plan cache, so the next run plans the step with more
+    micro-batches.
+
+    Args:
+        message: The explanation shown to the user.
+        weights_path: Where the model's weights were saved (under the
+            guard's `backup_dir`), or `None`.
+    """
+
+    def __init__(self, message, weights_path=None):
+        super().__init__(message)
+        self.weights_path = weights_path
+
+
 class MemoryLimitUnknownError(MemGuardError):
     """No memory limit could be resolved for a device the guard must watch."""
 

@@ -15,6 +15,7 @@ PUBLIC_API = [
     "AllocatorProbe",
     "AllocatorSample",
     "BatchSizeResult",
+    "CompiledStepOutOfMemoryError",
     "DevicesAlreadyInitializedError",
     "DistributedOutOfMemoryError",
     "MemGuardError",

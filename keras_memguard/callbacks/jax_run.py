@@ -39,8 +39,8 @@ from keras_memguard.jax_training.compiled import shape_key
 from keras_memguard.jax_training.inference import SlicedPredictFunction
 from keras_memguard.jax_training.inference import SlicedTestFunction
 from keras_memguard.jax_training.inference import double_slices
-from keras_memguard.jax_training.planning import excess_bytes
-from keras_memguard.jax_training.planning import plan_micro_batches
+from keras_memguard.compiled_plan import excess_bytes
+from keras_memguard.compiled_plan import plan_micro_batches
 from keras_memguard.jax_training.replay import ReplayingTrainFunction
 from keras_memguard.jax_training.replay import is_out_of_memory
 from keras_memguard.jax_training.step import batch_size_of

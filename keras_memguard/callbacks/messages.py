@@ -215,8 +215,12 @@ def allocation_does_not_shrink(reason, batch_size, peak, limit):
     )
 
 
-def _mib(value):
+def mib_text(value):
+    """`value` bytes as "12.3 MiB", or "unknown" for `None`."""
     return f"{value / _MIB:.1f} MiB" if value else "unknown"
+
+
+_mib = mib_text
 
 
 # `too_large`'s `remat_refusal` where no rung exists (evaluation,

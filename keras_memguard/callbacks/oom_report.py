@@ -4,7 +4,9 @@
 runs) into an `OomExplanation`; `report` logs it in one WARNING line and,
 with `log_dir`, writes `<log_dir>/memguard/oom-<step>.json`;
 `cannot_split_error` is the `MicroBatchTooLargeError` for a batch no
-micro-batch count can help. Shared by `fit`, `evaluate` and `predict`, on
+micro-batch count can help; `compiled_step_error` and
+`compiled_step_too_large` stop `fit` where an XLA step ran out of memory or
+would at every count. Shared by `fit`, `evaluate` and `predict`, on
 every backend.
 """
 
@@ -14,6 +16,7 @@ import os
 from keras_memguard import decider
 from keras_memguard import oom_explanation
 from keras_memguard.callbacks import messages
+from keras_memguard.errors import CompiledStepOutOfMemoryError
 from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.sinks import tensorboard as tb
 
@@ -90,3 +93,59 @@ def cannot_split_error(
     else:
         message = messages.cap_reached(micro_batches, batch_size, evaluating)
     return MicroBatchTooLargeError(prefix + message, peak_bytes=peak, limit_bytes=limit)
+
+
+# The weights saved under `backup_dir` when an XLA step ran out of memory.
+WEIGHTS_FILE = "memguard_out_of_memory.weights.h5"
+
+
+def save_weights_for_restart(guard):
+    """Saves the model's weights under `backup_dir`; the path, or `None`."""
+    if guard.backup_dir is None:
+        return None
+    path = os.path.join(guard.backup_dir, WEIGHTS_FILE)
+    try:
+        os.makedirs(guard.backup_dir, exist_ok=True)
+        guard.model.save_weights(path)
+    except Exception as error:  # noqa: BLE001 - the error to raise is the OOM's.
+        logger.warning("weights not saved to %s: %s", path, error)
+        return None
+    return path
+
+
+def compiled_step_error(guard, explanation, weights_path):
+    """The `CompiledStepOutOfMemoryError` that ends `fit` after an XLA step's OOM."""
+    saved = (
+        f" The weights were saved to {weights_path}."
+        if weights_path
+        else " Pass `backup_dir` to have the weights saved at such an error."
+    )
+    message = (
+        f"The XLA-compiled train step ran out of memory at step {explanation.step} "
+        f"({decider.micro_batches_text(explanation.micro_batches)} of a batch of "
+        f"{explanation.batch_size}): {oom_explanation.describe(explanation)}. "
+        "After an out-of-memory error inside an XLA program TensorFlow can abort "
+        "the process at the next step, so the batch is not replayed; the weights "
+        "are those after the last batch that completed." + saved + " HINT: the "
+        "guard plans XLA steps from their compiled program and the memory in "
+        "use before them, so memory taken while the step ran (an input "
+        "pipeline's buffers, another model) was missing: lower `threshold`, "
+        "or compile with `jit_compile=False`, whose errors the guard replays."
+    )
+    return CompiledStepOutOfMemoryError(message, weights_path=weights_path)
+
+
+def compiled_step_too_large(guard, planned, batch_size, in_use_bytes):
+    """The error for an XLA step no count fits, raised before it runs."""
+    limit = guard.controller.limit_bytes
+    memory = planned.memory
+    peak = None if memory is None else (in_use_bytes or 0) + memory.demand_bytes
+    message = (
+        f"No micro-batch count fits a batch of {batch_size} in the XLA-compiled "
+        f"train step: {planned.reason}, beside "
+        f"{messages.mib_text(in_use_bytes)} in use. The step was not run (an "
+        "out-of-memory error inside an XLA program can abort the process). "
+        "HINT: a smaller batch, `mode=\"shrink\"`, mixed precision, or "
+        "`jit_compile=False`."
+    )
+    return MicroBatchTooLargeError(message, peak_bytes=peak, limit_bytes=limit)

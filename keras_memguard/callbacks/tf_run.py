@@ -23,17 +23,22 @@ from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks import messages
 from keras_memguard.callbacks import oom_report
 from keras_memguard.callbacks.controller import GuardController
+from keras_memguard.compiled_plan import excess_bytes
+from keras_memguard.compiled_plan import plan_micro_batches
+from keras_memguard.errors import CompiledStepOutOfMemoryError
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.probes import region
 from keras_memguard.training import compat
 from keras_memguard.training import multi_worker
 from keras_memguard.training import remat
+from keras_memguard.training import xla_memory
 from keras_memguard.training.eval_replay import ReplayTestFunction
 from keras_memguard.training.mixin import MemGuardMixin
 from keras_memguard.training.predict_replay import ReplayPredictFunction
 from keras_memguard.training.replay import ReplayTrainFunction
 from keras_memguard.training.setup import describe_setup
 from keras_memguard.training.setup import gradient_bytes
+from keras_memguard.training.step import cached_function
 from keras_memguard.training.step import trains_with_own_step
 
 # A batch size no real batch reaches: the bound when the size is unknown.
@@ -67,12 +72,19 @@ class TfTrainingRun:
         # batch, planned from before the next.
         self._agreed_in_use = None
         self._last_batch = -1
+        # An XLA step is planned from its compiled program: the plan per
+        # batch shapes, and how far measured peaks went past the analysis.
+        self.xla = False
+        self._compiled_plans = {}
+        self._compiled_plan = None
+        self._xla_margin = 0
 
     def begin(self):
         """Checks the model, starts the decider where no plan hook will, installs."""
         guard, model = self.guard, self.model
         _check_model(model)
         self.multi_worker = multi_worker.is_multi_worker(model.distribute_strategy)
+        self.xla = xla_memory.uses_xla(model) and not self.multi_worker
         carrier = logs_carrier.current(model)
         if self.multi_worker and not guard._started:
             if guard.config.predictive and trains_with_own_step(model):
@@ -191,6 +203,12 @@ class TfTrainingRun:
         else:
             # Reading resets the peak: the batch's own peak is read after it.
             self._before = before = self._in_use(reader.read(guard, None))
+        if self.xla:
+            # The compiled program is the plan; the decider's count is the
+            # floor without `plan` (the user's, or one an error taught).
+            return self._apply(
+                self._plan_compiled(controller.state.micro_batches, batch_size, data, before)
+            )
         k = controller.plan(batch_size, sample_size, before)
         if (
             k >= batch_size
@@ -202,9 +220,80 @@ class TfTrainingRun:
             )
         ):
             k = controller.plan(batch_size, sample_size, before)
+        return self._apply(k)
+
+    def _apply(self, k):
         if k != self.function.micro_batches:
             self.apply(k)
         return k
+
+    def _plan_compiled(self, k, batch_size, data, before):
+        """The count of an XLA step: the smallest whose compiled program fits.
+
+        Each count's buffer assignment is read once per batch shapes (and
+        kept with the model's compiled steps); a plan is reused while the
+        memory in use beside it still leaves it under the threshold. Without
+        `plan`, counts below `k` are not tried. Returns `k` where the
+        program cannot be read (the decider's plan then stands).
+        """
+        guard, model = self.guard, self.model
+        controller = guard.controller
+        limit = controller.limit_bytes
+        target = guard.config.threshold * limit
+        shapes = _shapes_of(data)
+        planned = self._compiled_plans.get(shapes)
+        in_use = before or 0
+        if planned is not None and (
+            in_use + planned.memory.demand_bytes + self._xla_margin >= target
+            or (not guard.plan and planned.micro_batches < k)
+        ):
+            planned = None
+        if planned is None:
+            mode, rung = self.function.mode, remat.is_on(model)
+
+            def analyse(count):
+                return cached_function(
+                    model,
+                    ("xla_memory", count, mode, rung, shapes),
+                    lambda: xla_memory.step_memory(
+                        self.function.step_for(count), data, count
+                    ),
+                )
+
+            if analyse(k) is None:
+                return k
+            lowest = 1 if guard.plan else k
+            while True:
+                planned = plan_micro_batches(
+                    analyse,
+                    batch_size,
+                    limit,
+                    threshold=guard.config.threshold,
+                    in_use_bytes=before,
+                    margin_bytes=self._xla_margin,
+                    min_micro_batches=min(lowest, batch_size),
+                    max_micro_batches=guard.config.max_micro_batches,
+                )
+                if not planned.fits:
+                    raise oom_report.compiled_step_too_large(
+                        guard, planned, batch_size, before
+                    )
+                if xla_memory.allocates(planned.memory):
+                    break
+                # No free block holds the step's largest buffer: a count
+                # that halves it, at least.
+                if planned.micro_batches >= batch_size:
+                    raise oom_report.compiled_step_too_large(
+                        guard, planned, batch_size, before
+                    )
+                lowest = 2 * planned.micro_batches
+            self._compiled_plans[shapes] = planned
+            if planned.micro_batches != self.function.micro_batches:
+                messages.log_plan(planned, batch_size)
+        self._compiled_plan = planned
+        if controller.state.micro_batches != planned.micro_batches:
+            controller.set_micro_batches(planned.micro_batches)
+        return planned.micro_batches
 
     def _contribute(self, logs):
         """Observes after each train function call; adds the count to `logs`.
@@ -242,7 +331,12 @@ class TfTrainingRun:
                     limit,
                 )
             )
-            if decided.changed:
+            if self.xla and self._compiled_plan is not None:
+                # What the step took beyond its analysis (memory taken
+                # beside it while it ran) is kept free in later plans.
+                excess = excess_bytes(self._compiled_plan.memory, self._before, peak)
+                self._xla_margin = max(self._xla_margin, excess or 0)
+            elif decided.changed:
                 messages.log_decision(decided, self._micro_batch_text(decided.micro_batches))
                 self.apply(decided.micro_batches)
                 guard._save_state()
@@ -328,6 +422,8 @@ class TfTrainingRun:
                 guard.controller.limit_bytes,
             )
         decided = guard.controller.fail(failure)
+        if self.xla:
+            self._stop_compiled(explanation, error)
         if (
             decided.cannot_split == decider.CANNOT_SPLIT_BATCH_SIZE
             and guard.escalate
@@ -356,6 +452,21 @@ class TfTrainingRun:
         guard._save_state()
         guard._save_plan()
         return new_k
+
+    def _stop_compiled(self, explanation, error):
+        """Ends `fit` after an XLA step ran out of memory: no replay.
+
+        After such an error TensorFlow's allocator can abort the process at
+        the next step, so the batch is not replayed. What the decider
+        learned goes to the plan cache and the state to `backup_dir`, with
+        the weights, so a new run starts from them.
+        """
+        guard = self.guard
+        oom_report.report(guard, explanation)
+        guard._save_state()
+        guard._save_plan()
+        weights_path = oom_report.save_weights_for_restart(guard)
+        raise oom_report.compiled_step_error(guard, explanation, weights_path) from error
 
     def on_eval_out_of_memory(self, batch_size, micro_batches, error):
         """Chooses the slice count to go on evaluating with, or raises.
@@ -449,6 +560,14 @@ def inference_run(guard, kind):
     )
     run.start()
     return run
+
+
+def _shapes_of(data):
+    """The shapes of a batch's tensors: what a compiled step is specialized to."""
+    return tuple(
+        tuple(item.shape) if hasattr(item, "shape") else None
+        for item in keras.tree.flatten(data)
+    )
 
 
 def _check_model(model):

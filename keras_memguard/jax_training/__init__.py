@@ -15,10 +15,10 @@ Imports JAX and Keras, never TensorFlow.
 """
 
 from keras_memguard.jax_training.compiled import StepCache
-from keras_memguard.jax_training.compiled import StepMemory
-from keras_memguard.jax_training.planning import CompiledPlan
-from keras_memguard.jax_training.planning import excess_bytes
-from keras_memguard.jax_training.planning import plan_micro_batches
+from keras_memguard.compiled_plan import StepMemory
+from keras_memguard.compiled_plan import CompiledPlan
+from keras_memguard.compiled_plan import excess_bytes
+from keras_memguard.compiled_plan import plan_micro_batches
 from keras_memguard.jax_training.replay import ReplayingTrainFunction
 from keras_memguard.jax_training.replay import StepOutOfMemory
 from keras_memguard.jax_training.replay import double_micro_batches

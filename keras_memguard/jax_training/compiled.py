@@ -10,45 +10,12 @@ second compilation when the batch then runs.
 """
 
 import time
-from typing import NamedTuple
 
 import jax
 
+from keras_memguard.compiled_plan import StepMemory
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.jax_training.step import make_train_step
-
-
-class StepMemory(NamedTuple):
-    """What XLA's `memory_analysis()` says a compiled step needs, in bytes.
-
-    Attributes:
-        micro_batches: The count the step was compiled for.
-        argument_bytes: The step's inputs: the state and the batch.
-        output_bytes: Its outputs: the new state and the logs.
-        temp_bytes: Its temporaries (activations, gradients, workspace).
-        alias_bytes: Outputs written into an input's buffer (0 when nothing
-            is donated).
-        generated_code_bytes: The executable's code.
-    """
-
-    micro_batches: int
-    argument_bytes: int
-    output_bytes: int
-    temp_bytes: int
-    alias_bytes: int
-    generated_code_bytes: int = 0
-
-    @property
-    def need_bytes(self):
-        """Arguments + outputs + temporaries - aliased: the step's total."""
-        return (
-            self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
-        )
-
-    @property
-    def demand_bytes(self):
-        """What the step allocates beyond its arguments (already resident)."""
-        return self.output_bytes + self.temp_bytes - self.alias_bytes
 
 
 def step_memory(compiled, micro_batches):

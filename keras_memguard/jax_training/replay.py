@@ -22,7 +22,7 @@ import jax
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.jax_training.compiled import StepCache
-from keras_memguard.jax_training.compiled import StepMemory
+from keras_memguard.compiled_plan import StepMemory
 from keras_memguard.jax_training.step import batch_size_of
 from keras_memguard.training import compat
 

@@ -57,8 +57,8 @@ class AccumulatedGradients(NamedTuple):
             gradients have each row once.
         y_pred: The model outputs of the whole batch (the micro-batches'
             outputs concatenated), or `None` when they were not kept: with
-            a custom `compute_loss`, or when the compiled metrics were
-            updated micro-batch by micro-batch.
+            a custom `compute_loss`, or with `update_metrics` where no
+            metric reads them.
         loss: The whole batch's mean loss: the micro-batch losses weighted
             by their share of the samples, summed; for the model's own loss,
             unscaled for distribution (the value the built-in step gives the
@@ -146,6 +146,23 @@ def forward(model, x):
     if compat.call_has_training_arg(model):
         return model(x, training=True)
     return model(x)
+
+
+def metrics_read_whole_batch_outputs(model):
+    """Tells whether the step's metrics need the whole batch's outputs.
+
+    False when `compute_metrics` is Keras' own and there are no compiled
+    metrics (nothing reads the outputs) or every compiled metric can be
+    updated micro-batch by micro-batch (`metrics_update_per_micro_batch`).
+    Keeping the outputs costs the whole batch's outputs whatever the
+    micro-batch count: on a language model the logits are the largest
+    tensor of the step.
+    """
+    if type(model).compute_metrics is not keras.Model.compute_metrics:
+        return True
+    if compat.compiled_metrics(model) is None:
+        return False
+    return not metrics_update_per_micro_batch(model)
 
 
 def metrics_update_per_micro_batch(model):
@@ -369,7 +386,9 @@ def accumulate_gradients(
         update_metrics: Update the compiled metrics' state micro-batch by
             micro-batch (in `result.metric_state`) instead of keeping the
             whole batch's outputs, where that gives the same result (see
-            `metrics_update_per_micro_batch`). Defaults to `False`.
+            `metrics_update_per_micro_batch`), and keep the outputs only
+            where the metrics read them (`result.y_pred` is `None`
+            otherwise). Defaults to `False`.
 
     Returns:
         An `AccumulatedGradients` tuple.
@@ -403,6 +422,12 @@ def accumulate_gradients(
 
     else:
         compute = compiled_loss_compute(model, micro_batches)
+    # The built-in step's metrics read the outputs only where they cannot
+    # be updated micro-batch by micro-batch; a loss of the caller's keeps
+    # them for the caller.
+    keep_outputs = compute_loss is None and (
+        not update_metrics or metrics_read_whole_batch_outputs(model)
+    )
     update_metrics = update_metrics and metrics_update_per_micro_batch(model)
     if variables is None:
         variables = model.trainable_weights
@@ -416,7 +441,7 @@ def accumulate_gradients(
         micro_batches,
         engine.first,
         engine.rest,
-        collect_outputs=compute_loss is None and not update_metrics,
+        collect_outputs=keep_outputs,
     )
     return engine.result(carry, y_pred, batch_size)
 
@@ -607,10 +632,16 @@ def _run_segment(xys, batch_size, split, segment, rest, carry, growing, y0):
     rows = (end - begin) * size
     # At least one micro-batch of room: XLA compiles the loop body even
     # when the loop runs zero times, and rejects a scatter into nothing.
+    # Every row below `rows` is written by the loop, so the buffer starts
+    # as copies of the first micro-batch's first row: a value computed at
+    # run time. A `tf.zeros` of a static shape is folded into a constant
+    # when the function is instantiated, allocated then outside the step
+    # (under memory pressure TensorFlow's constant folding crashes, or the
+    # constant fails to load) and kept for the function's life.
     buffers = [
-        tf.zeros(
+        tf.broadcast_to(
+            leaf[:1],
             tf.concat([[maximum(rows, size)], tf.shape(leaf)[1:]], 0),
-            leaf.dtype,
         )
         for leaf in y_leaves
     ]

@@ -62,6 +62,7 @@ PRIVATE_NAMES = (
     ("tensorflow.TensorSpec", "_batch"),
     ("keras.Model", "_autoconvert_optionals"),
     ("tensorflow.core.protobuf.bfc_memory_map_pb2", "MemoryDump"),
+    ("tensorflow.compiler.xla.service.hlo_pb2", "HloProto"),
     ("tf.function", "_omit_frequent_tracing_warning"),
 )
 OPTIONAL_NAMES = (("keras.Model", "_autoconvert_optionals"),)
@@ -359,6 +360,23 @@ def parse_bfc_memory_dump(data):
     except Exception as error:  # protobuf's DecodeError
         raise ValueError(f"not a BFC MemoryDump: {error}") from None
     return dump
+
+
+def parse_hlo_proto(data):
+    """XLA's `HloProto` parsed from `data` (bytes), with its buffer assignment.
+
+    What `tf.function(...).experimental_get_compiler_ir(...)(stage=
+    "optimized_hlo_proto_serialized")` returns.
+
+    Raises:
+        ValueError: If `data` is not an `HloProto`.
+    """
+    proto = _import_attribute("tensorflow.compiler.xla.service.hlo_pb2", "HloProto")()
+    try:
+        proto.ParseFromString(data)
+    except Exception as error:  # protobuf's DecodeError
+        raise ValueError(f"not an HloProto: {error}") from None
+    return proto
 
 
 def set_cluster_value(key, value):

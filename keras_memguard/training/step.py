@@ -206,8 +206,13 @@ def _shrink_step(model, data, micro_batches):
         summed += [a + b for a, b in zip(carry[2:], values[2:])]
         return summed, y_pred
 
+    # The compiled metrics are updated once from the whole batch's outputs.
+    keep_outputs = (
+        compat.compiled_metrics(model) is not None
+        or type(model).compute_metrics is not keras.Model.compute_metrics
+    )
     carry, y_pred, batch_size = run_micro_batches(
-        data, micro_batches, first, rest
+        data, micro_batches, first, rest, collect_outputs=keep_outputs
     )
     return carry, y_pred, batch_size
 
@@ -286,8 +291,9 @@ def micro_batch_train_step(model, data, micro_batches, mode="accumulate"):
         with tf.control_dependencies(result.control_inputs()):
             return finish_step(model, data, result, result.gradients)
     result = _ShrinkResult(*_shrink_step(model, data, micro_batches))
-    _, y, _ = keras.utils.unpack_x_y_sample_weight(data)
-    build_metrics(model, y, result.y_pred)
+    if result.y_pred is not None:
+        _, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        build_metrics(model, y, result.y_pred)
     with tf.control_dependencies(result.control_inputs()):
         return finish_step(model, data, result, None)
 

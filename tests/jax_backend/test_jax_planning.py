@@ -11,7 +11,7 @@ from keras_memguard.jax_training import excess_bytes
 from keras_memguard.jax_training import plan_micro_batches
 from keras_memguard.training.compat import jax_state
 from keras_memguard.training.compat import symbolic_build
-from keras_memguard.jax_training.compiled import StepMemory
+from keras_memguard.compiled_plan import StepMemory
 from keras_memguard.jax_training.compiled import spec_of
 
 BATCH = 2048

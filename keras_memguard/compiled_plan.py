@@ -1,8 +1,10 @@
 """Planning the micro-batch count of a batch from its compiled steps.
 
-Before a batch of a new shape runs, `plan_micro_batches` compiles the step
-for a few candidate counts (through a `StepCache`) and reads what XLA says
-each needs. A count fits when the memory in use before the step (at least
+XLA assigns every buffer of a compiled step before it runs, so what a step
+needs is known before it first runs: JAX's `memory_analysis()`, TensorFlow's
+buffer assignment (`training/xla_memory.py`), both read into a `StepMemory`.
+Before a batch of a new shape runs, `plan_micro_batches` has the step
+compiled for a few candidate counts and reads what XLA says each needs. A count fits when the memory in use before the step (at least
 the step's arguments) plus what the step allocates, plus a margin, stays
 under `threshold * limit`. The search starts at the smallest count and
 picks each next candidate from the pure decider's memory model
@@ -17,9 +19,48 @@ from typing import Optional
 from typing import Tuple
 
 from keras_memguard import decider
-from keras_memguard.jax_training.compiled import StepMemory
 
 _MIB = 1024 * 1024
+
+
+class StepMemory(NamedTuple):
+    """What XLA says a compiled step needs, in bytes.
+
+    Read from JAX's `memory_analysis()` or from TensorFlow's buffer
+    assignment; the same fields on both.
+
+    Attributes:
+        micro_batches: The count the step was compiled for.
+        argument_bytes: The step's inputs: the state and the batch.
+        output_bytes: Its outputs: the new state and the logs.
+        temp_bytes: Its temporaries (activations, gradients, workspace).
+        alias_bytes: Outputs written into an input's buffer (0 when nothing
+            is donated).
+        generated_code_bytes: The executable's code.
+        largest_allocation_bytes: The largest buffer the step allocates in
+            one piece (it needs a free block that large), or `0` when
+            unknown.
+    """
+
+    micro_batches: int
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    generated_code_bytes: int = 0
+    largest_allocation_bytes: int = 0
+
+    @property
+    def need_bytes(self):
+        """Arguments + outputs + temporaries - aliased: the step's total."""
+        return (
+            self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+        )
+
+    @property
+    def demand_bytes(self):
+        """What the step allocates beyond its arguments (already resident)."""
+        return self.output_bytes + self.temp_bytes - self.alias_bytes
 
 
 class CompiledPlan(NamedTuple):
@@ -126,7 +167,7 @@ def plan_micro_batches(
     Example:
 
     ```python
-    cache = StepCache(model)
+    cache = StepCache(model)  # keras_memguard.jax_training
     decided = plan_micro_batches(
         lambda k: cache.memory(k, state, batch), batch_size=256,
         limit_bytes=16 * 2**30)

@@ -1,0 +1,109 @@
+"""What an XLA-compiled TensorFlow step needs, read before it first runs.
+
+Keras 3 compiles the train step with XLA wherever a GPU is present
+(`jit_compile="auto"`). XLA assigns every buffer of the compiled program
+before it runs, and after an out-of-memory error inside an XLA program
+TensorFlow's allocator can abort the process on the next step: on XLA an
+error must be prevented, not recovered from. `step_memory` reads the
+buffer assignment of the micro-batched step compiled for one batch's shapes
+(`experimental_get_compiler_ir(...)(stage="optimized_hlo_proto_serialized")`)
+into the same `StepMemory` the JAX backend reads from `memory_analysis()`,
+so one planner (`keras_memguard.compiled_plan`) chooses the count on both.
+"""
+
+import tensorflow as tf
+from keras import tree
+
+from keras_memguard.compiled_plan import StepMemory
+from keras_memguard.training import compat
+
+
+def uses_xla(model):
+    """Whether `model`'s train step is compiled with XLA (`jit_compile`)."""
+    return bool(getattr(model, "jit_compile", False)) and not model.run_eagerly
+
+
+def step_memory(step, data, micro_batches):
+    """Reads what XLA assigned to a compiled step for `data`'s shapes.
+
+    Args:
+        step: A step from `make_step_function` (a `tf.function` compiled
+            with `jit_compile=True`, maybe wrapped).
+        data: One batch, as the step receives it.
+        micro_batches: The count the step splits the batch into.
+
+    Returns:
+        A `StepMemory`: the entry parameters (weights, optimizer state and
+        the batch, already resident) as `argument_bytes`, the buffers that
+        outlive the step as `output_bytes`, the rest as `temp_bytes`; or
+        `None` when the step is not compiled by XLA or the compiled program
+        cannot be read here.
+    """
+    function = getattr(step, "compiled_step", step)
+    get_ir = getattr(function, "experimental_get_compiler_ir", None)
+    if get_ir is None:
+        return None
+    # As `compat.autoconvert_optionals` hands the batch to the step.
+    data = tree.map_structure(
+        lambda item: None if isinstance(item, tf.experimental.Optional) else item,
+        data,
+    )
+    try:
+        blob = get_ir(data)(stage="optimized_hlo_proto_serialized")
+        proto = compat.parse_hlo_proto(blob)
+    except (ValueError, TypeError, tf.errors.InvalidArgumentError):
+        # Not an XLA function, or the module is not there on this version.
+        return None
+    return memory_of_buffer_assignment(proto.buffer_assignment, micro_batches)
+
+
+def memory_of_buffer_assignment(assignment, micro_batches):
+    """Sums an XLA `BufferAssignmentProto`'s allocations into a `StepMemory`."""
+    arguments = outputs = temporaries = aliased = largest = 0
+    for allocation in assignment.buffer_allocations:
+        size = int(allocation.size)
+        if allocation.is_entry_computation_parameter:
+            arguments += size
+            if allocation.is_parameter_aliased_with_output:
+                aliased += size
+            continue
+        if allocation.is_thread_local:
+            continue  # on the stack, not in the device allocator
+        if allocation.maybe_live_out:
+            outputs += size
+        else:
+            temporaries += size
+        largest = max(largest, size)
+    return StepMemory(
+        micro_batches, arguments, outputs, temporaries, 0, largest_allocation_bytes=largest
+    )
+
+
+def allocates(memory):
+    """Tells whether the device can hold a compiled step's buffers right now.
+
+    XLA allocates a step's temporaries in one piece: a step can fail with
+    memory to spare when no free block is that large (the allocator is
+    fragmented). Allocating blocks of the step's sizes (its largest buffer,
+    and the rest in one), without writing them, and freeing them again
+    answers that before the step runs; an out-of-memory error outside an
+    XLA program is an ordinary, recoverable error.
+
+    Args:
+        memory: The step's `StepMemory`.
+
+    Returns:
+        `False` when the allocations ran out of memory, else `True`.
+    """
+    largest = memory.largest_allocation_bytes
+    sizes = [largest, max(0, memory.demand_bytes - largest)]
+    held = []
+    try:
+        for size in sizes:
+            if size:
+                held.append(tf.raw_ops.Empty(shape=[size], dtype=tf.uint8, init=False))
+    except tf.errors.ResourceExhaustedError:
+        return False
+    finally:
+        del held
+    return True

@@ -1,0 +1,121 @@
+"""Models the guard was never tuned for, under a real cap, in their own process.
+
+`decoder [metric]`: a GPT-style decoder language model (token and position
+embeddings, two causal self-attention blocks, 2000 logits per token) on
+numpy token ids, `fit(batch_size=32)` under `MemoryGuard`. With `metric`
+it is compiled with a metric of its own (`programs.common.SampleCount`),
+so the whole batch's logits are kept across micro-batches. Replaying a
+batch here used to crash the process in TensorFlow's constant folding.
+
+`xla_cnn`: a mixed-precision CNN compiled with `jit_compile=True` (as
+Keras 3 compiles it on a GPU) on numpy images, `fit(batch_size=128)` under
+`MemoryGuard`: one out-of-memory error inside an XLA program can abort the
+process, so none may happen.
+
+Reports through `emit_result`: the batches that ended, the counts, the
+out-of-memory recoveries, the loss, and the error raised, if any.
+"""
+
+import sys
+
+import keras
+import numpy as np
+
+import keras_memguard
+from keras_memguard.testing import emit_result
+from programs.common import MicroBatchCounts
+from programs.common import SampleCount
+from programs.common import collect_package_messages
+
+VOCABULARY, TOKENS, WIDTH = 2000, 128, 128
+
+
+class PositionEmbedding(keras.layers.Layer):
+    def build(self, input_shape):
+        self.positions = self.add_weight(shape=(TOKENS, WIDTH), initializer="uniform")
+
+    def call(self, x):
+        return x + self.positions
+
+
+def decoder(metrics=None):
+    """The decoder of the module docstring, seeded and compiled."""
+    layers = keras.layers
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((TOKENS,), dtype="int32")
+    x = PositionEmbedding()(layers.Embedding(VOCABULARY, WIDTH)(tokens))
+    for _ in range(2):
+        attended = layers.MultiHeadAttention(4, WIDTH // 4)(x, x, use_causal_mask=True)
+        x = layers.LayerNormalization()(x + attended)
+        hidden = layers.Dense(WIDTH, activation="gelu")(
+            layers.Dense(4 * WIDTH, activation="gelu")(x)
+        )
+        x = layers.LayerNormalization()(x + hidden)
+    model = keras.Model(tokens, layers.Dense(VOCABULARY)(x))
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=metrics,
+    )
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, VOCABULARY, size=(128, TOKENS)).astype("int32")
+    y = rng.integers(1, VOCABULARY, size=(128, TOKENS)).astype("int32")
+    return model, x, y, 32
+
+
+def xla_cnn():
+    """The mixed-precision XLA CNN of the module docstring, seeded and compiled."""
+    layers = keras.layers
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((64, 64, 3)),
+        layers.Conv2D(48, 3, activation="relu"),
+        layers.Conv2D(48, 3, activation="relu"),
+        layers.MaxPooling2D(),
+        layers.Conv2D(96, 3, activation="relu"),
+        layers.GlobalAveragePooling2D(),
+        layers.Dense(10, dtype="float32"),
+    ])
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=True,
+    )
+    rng = np.random.default_rng(0)
+    # Two batches: an XLA step with float16 convolutions is slow on a CPU.
+    x = rng.random((256, 64, 64, 3), dtype="float32")
+    y = rng.integers(0, 10, 256)
+    return model, x, y, 128
+
+
+def main():
+    name, options = sys.argv[1], sys.argv[2:]
+    messages = collect_package_messages()
+    if name == "decoder":
+        model, x, y, batch = decoder([SampleCount()] if "metric" in options else None)
+    else:
+        model, x, y, batch = xla_cnn()
+    ks = MicroBatchCounts()
+    guard = keras_memguard.MemoryGuard(plan_cache=False)
+    error = None
+    history = None
+    try:
+        history = model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[guard, ks])
+    except Exception as raised:  # noqa: BLE001 - reported to the test.
+        error = f"{type(raised).__name__}: {raised}"
+    emit_result({
+        "batches": len(ks.ks),
+        "expected_batches": -(-len(x) // batch),
+        "ks": ks.ks,
+        "jit_compile": bool(model.jit_compile),
+        "oom_recoveries": guard.oom_recoveries,
+        "loss": None if history is None else history.history["loss"],
+        "samples": None if history is None else history.history.get("samples"),
+        "error": error,
+        "messages": list(messages),
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Models the guard was not tuned for, under a real cap: never worse than plain Keras.
+
+Each runs in its own process (`tests/programs/unseen_under_cap.py`): on
+today's TensorFlow a crash ends the process, and the test asserts a clean
+exit and every batch trained.
+"""
+
+import math
+
+import pytest
+
+from keras_memguard.testing import run_with_memory_cap
+
+pytestmark = pytest.mark.slow
+
+
+def _run(memory_limit_mib, *args):
+    import programs
+
+    run = run_with_memory_cap(
+        programs.source("unseen_under_cap", *args),
+        memory_limit_mib=memory_limit_mib,
+        timeout=400,
+        check=False,
+    )
+    # A crash (a signal, an abort) is a negative status and no result.
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.result is not None, run.stdout[-3000:]
+    return run.result
+
+
+def _trained_every_batch(result):
+    assert result["error"] is None, result
+    assert result["batches"] == result["expected_batches"], result
+    assert all(math.isfinite(v) for v in result["loss"]), result
+
+
+def test_a_decoder_language_model_trains_where_its_replay_crashed():
+    # 103 MiB is 0.55x the decoder's plain peak (184 MiB); plain Keras runs
+    # out of memory at batch 32 here. No metric reads the logits, so none
+    # are kept across micro-batches: the planned split runs with no error.
+    result = _run(103, "decoder")
+    _trained_every_batch(result)
+    assert result["oom_recoveries"] == 0, result
+
+
+def test_kept_outputs_of_a_decoder_do_not_crash_a_new_count():
+    # A metric of its own keeps the whole batch's logits (31 MiB here). The
+    # buffer they went into was a constant TensorFlow folded when the step
+    # for a new count was first run: under the cap that crashed the process.
+    result = _run(125, "decoder", "metric")
+    _trained_every_batch(result)
+    assert result["samples"] == [128.0], result
+
+
+def test_an_xla_step_is_planned_from_its_compiled_program_with_no_error():
+    # 523 MiB is 0.55x plain Keras' XLA peak here; after an out-of-memory
+    # error in an XLA program TensorFlow aborts the process.
+    result = _run(523, "xla_cnn")
+    assert result["jit_compile"] is True
+    _trained_every_batch(result)
+    assert result["oom_recoveries"] == 0, result
+    # Split (plain training does not fit), and the same count every batch.
+    assert result["ks"][0] > 1 and len(set(result["ks"])) == 1, result

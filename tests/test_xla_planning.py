@@ -1,0 +1,78 @@
+"""What an XLA step needs, read from its compiled program; outputs kept only when read."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_memguard.compiled_plan import StepMemory
+from keras_memguard.training.accumulation import accumulate_gradients
+from keras_memguard.training.step import build_training_state
+from keras_memguard.training.step import step_function
+from keras_memguard.training.xla_memory import step_memory
+from keras_memguard.training.xla_memory import uses_xla
+
+
+def _mlp(jit_compile, metrics=None):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)]
+    )
+    model.compile("adam", "sparse_categorical_crossentropy", metrics=metrics, jit_compile=jit_compile)
+    return model
+
+
+def _batch(size):
+    rng = np.random.default_rng(0)
+    return (
+        tf.constant(rng.random((size, 64), dtype="float32")),
+        tf.constant(rng.integers(0, 10, size)),
+    )
+
+
+def test_the_buffer_assignment_of_an_xla_step_is_read_per_count():
+    model = _mlp(jit_compile=True)
+    assert uses_xla(model)
+    data = _batch(512)
+    build_training_state(model, data)
+    whole = step_memory(step_function(model, 1, "accumulate"), data, 1)
+    split = step_memory(step_function(model, 8, "accumulate"), data, 8)
+    assert isinstance(whole, StepMemory) and whole.micro_batches == 1
+    # The weights, Adam's slots and the batch are parameters: resident.
+    weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_weights)
+    assert whole.argument_bytes >= 3 * weights + 512 * 64 * 4
+    # The activations of 512 samples against those of 64, and one buffer
+    # at least as large as any other.
+    assert whole.demand_bytes > split.demand_bytes > 0
+    assert 0 < whole.largest_allocation_bytes <= whole.demand_bytes
+
+
+def test_a_step_without_xla_has_no_compiled_program_to_read():
+    model = _mlp(jit_compile=False)
+    assert not uses_xla(model)
+    data = _batch(32)
+    build_training_state(model, data)
+    assert step_memory(step_function(model, 2, "accumulate"), data, 2) is None
+
+
+class _OwnMetric(keras.metrics.Mean):
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        return super().update_state(keras.ops.max(y_pred, axis=-1))
+
+
+@pytest.mark.parametrize(
+    "metrics,kept",
+    [(None, False), (["accuracy"], False), ([_OwnMetric()], True)],
+    ids=["none", "keras", "own"],
+)
+def test_the_whole_batchs_outputs_are_kept_only_where_a_metric_reads_them(metrics, kept):
+    model = _mlp(jit_compile=False, metrics=metrics)
+    data = _batch(32)
+    build_training_state(model, data)
+
+    @tf.function
+    def outputs_kept():
+        result = accumulate_gradients(model, data, 4, update_metrics=True)
+        return result.y_pred is not None
+
+    assert bool(outputs_kept()) is kept
