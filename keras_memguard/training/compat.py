@@ -354,12 +354,17 @@ def parse_bfc_memory_dump(data):
     Raises:
         ValueError: If `data` is not a `MemoryDump`.
     """
-    dump = _import_attribute("tensorflow.core.protobuf.bfc_memory_map_pb2", "MemoryDump")()
+    return _parse_proto("tensorflow.core.protobuf.bfc_memory_map_pb2", "MemoryDump", data)
+
+
+def _parse_proto(module, name, data):
+    """Parses `data` as the protobuf message `module.name`."""
+    message = _import_attribute(module, name)()
     try:
-        dump.ParseFromString(data)
+        message.ParseFromString(data)
     except Exception as error:  # protobuf's DecodeError
-        raise ValueError(f"not a BFC MemoryDump: {error}") from None
-    return dump
+        raise ValueError(f"not a {name}: {error}") from None
+    return message
 
 
 def parse_hlo_proto(data):
@@ -371,12 +376,7 @@ def parse_hlo_proto(data):
     Raises:
         ValueError: If `data` is not an `HloProto`.
     """
-    proto = _import_attribute("tensorflow.compiler.xla.service.hlo_pb2", "HloProto")()
-    try:
-        proto.ParseFromString(data)
-    except Exception as error:  # protobuf's DecodeError
-        raise ValueError(f"not an HloProto: {error}") from None
-    return proto
+    return _parse_proto("tensorflow.compiler.xla.service.hlo_pb2", "HloProto", data)
 
 
 def set_cluster_value(key, value):
