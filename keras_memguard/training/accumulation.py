@@ -4,7 +4,9 @@
 and adds up what the whole batch's step needs: the gradients, the loss, each
 output's loss, the extras of a custom loss, and (where it gives the same
 result) the compiled metrics' state. Each micro-batch's loss is weighted by
-its share of the samples `n_i / n`, so the sums are the whole batch's means.
+its share of the samples `n_i / n`, so the sums are the whole batch's means;
+a loss that averages over a mask (a Keras mask, `ignore_class`) is weighted
+by its share of the unmasked elements instead.
 
 Micro-batch 0 runs first, the others in `tf.while_loop`s (one per
 micro-batch size, so slice shapes are constant inside a loop, as XLA needs)
@@ -44,6 +46,7 @@ from keras_memguard.training.splitting import validate_micro_batches
 # ran: a `train_step` override that never calls it cannot be split.
 ACCUMULATED_ATTR = "_memguard_accumulated"
 _INPUT_LOSS_WARNED_ATTR = "_memguard_input_loss_warned"
+_MASKED_LOSSES_WARNED_ATTR = "_memguard_masked_losses_warned"
 
 
 class AccumulatedGradients(NamedTuple):
@@ -253,22 +256,33 @@ class _MicroBatchResult(NamedTuple):
     loss: Any
     output_losses: list
     extras: dict
+    # `(valid, total)` elements of the mask the loss averaged over, or None.
+    mask_share: Any = None
 
 
 def _micro_batch(model, micro_batch, variables, compute, weighted):
     """Forward and backward pass of one micro-batch.
 
-    `compute(micro_batch) -> (loss, y_pred, output_losses, extras)` gives
-    the micro-batch's mean loss. With `weighted`, the gradients are those of
-    the loss times the micro-batch's share of the samples (accumulation);
-    without, those of its own mean loss (one update per micro-batch). The
-    returned losses and extras are always weighted, before loss scaling:
-    the micro-batches' values sum to the whole batch's.
+    `compute(micro_batch) -> (loss, y_pred, output_losses, extras,
+    mask_share)` gives the micro-batch's mean loss. With `weighted`, the
+    gradients are those of the loss times the micro-batch's share of the
+    samples (accumulation); without, those of its own mean loss (one update
+    per micro-batch). The returned losses and extras are always weighted,
+    before loss scaling: the micro-batches' values sum to the whole
+    batch's. A loss that averaged over a mask's `(valid, total)` elements
+    (`mask_share`) is weighted by its share of the samples times
+    `valid / total`: summed, that is the whole batch's masked mean times
+    `sum(valid) / sum(total)`, which `_Engine.result` divides out.
     """
     with tf.GradientTape() as tape:
-        loss, y_pred, output_losses, extras = compute(micro_batch)
-        fraction = micro_batch.fraction
-        weighted_loss = loss * tf.cast(fraction, loss.dtype)
+        loss, y_pred, output_losses, extras, mask_share = compute(micro_batch)
+        fraction = tf.cast(micro_batch.fraction, loss.dtype)
+        if weighted and mask_share is not None:
+            valid, total = mask_share
+            fraction *= tf.math.divide_no_nan(
+                tf.cast(valid, loss.dtype), tf.cast(total, loss.dtype)
+            )
+        weighted_loss = loss * fraction
         target = weighted_loss if weighted else loss
         if model.optimizer is not None:
             target = model.optimizer.scale_loss(target)
@@ -284,6 +298,7 @@ def _micro_batch(model, micro_batch, variables, compute, weighted):
         loss=weighted_loss,
         output_losses=[weigh(v) for v in output_losses],
         extras={name: weigh(v) for name, v in extras.items()},
+        mask_share=mask_share if weighted else None,
     )
 
 
@@ -298,20 +313,45 @@ def compiled_loss_compute(model, micro_batches):
     def compute(micro_batch):
         y_pred = forward(model, micro_batch.x)
         with compat.recording_per_output_losses(model) as recorded:
-            loss = compat.compute_loss(
-                model,
-                micro_batch.x,
-                micro_batch.y,
-                y_pred,
-                micro_batch.sample_weight,
-            )
+            with compat.recording_loss_masks() as masks:
+                loss = compat.compute_loss(
+                    model,
+                    micro_batch.x,
+                    micro_batch.y,
+                    y_pred,
+                    micro_batch.sample_weight,
+                )
         _warn_input_dependent_losses(
             model, _input_losses(model), micro_batch.x, micro_batches
         )
         output_losses = [values[-1] for values in recorded if values]
-        return loss, y_pred, output_losses, {}
+        return loss, y_pred, output_losses, {}, _mask_share(model, masks, output_losses, micro_batches)
 
     return compute
+
+
+def _mask_share(model, masks, output_losses, micro_batches):
+    """The one mask a model's loss averaged over, or `None`.
+
+    Exact combination needs every term of the loss to average over the same
+    elements: one masked loss on a model with one loss. Several loss terms
+    with a mask are combined by their share of the samples, with a warning.
+    """
+    if len(masks) == 1 and len(output_losses) <= 1:
+        return masks[0]
+    if masks and micro_batches > 1 and not getattr(model, _MASKED_LOSSES_WARNED_ATTR, False):
+        object.__setattr__(model, _MASKED_LOSSES_WARNED_ATTR, True)
+        warnings.warn(
+            f"Model {model.name!r} has {len(output_losses) or len(masks)} loss "
+            "terms, and some average over a mask (a Keras mask or "
+            f"`ignore_class`). Under micro_batches={micro_batches} each "
+            "micro-batch's loss is weighted by its share of the samples, not "
+            "of the unmasked elements: close to the whole batch's loss, not "
+            "equal to it. One masked loss on a model with one output is "
+            "combined exactly.",
+            stacklevel=2,
+        )
+    return None
 
 
 def custom_loss_compute(compute_loss):
@@ -336,7 +376,7 @@ def custom_loss_compute(compute_loss):
                 "`compute_loss` must return the micro-batch's mean loss, a "
                 f"scalar. Received a tensor of shape {loss.shape}."
             )
-        return loss, None, [], dict(extras)
+        return loss, None, [], dict(extras), None
 
     return compute
 
@@ -418,7 +458,7 @@ def accumulate_gradients(
             loss = loss_fn(
                 micro_batch.x, micro_batch.y, y_pred, micro_batch.sample_weight
             )
-            return loss, y_pred, [], {}
+            return loss, y_pred, [], {}, None
 
     else:
         compute = compiled_loss_compute(model, micro_batches)
@@ -450,7 +490,8 @@ class _Engine:
     """Builds the loop carry of `accumulate_gradients` and reads it back.
 
     The carry is a flat list: the packed gradients, the loss, the output
-    losses, the extras (sorted by name), then the metric state.
+    losses, the extras (sorted by name), the summed `(valid, total)` of a
+    loss's mask where it has one, then the metric state.
     """
 
     def __init__(self, model, variables, compute, update_metrics, unscale=True):
@@ -486,6 +527,8 @@ class _Engine:
         carry = _pack_gradients(part.gradients, self.layout, self.variables)
         carry += [part.loss] + part.output_losses
         carry += [part.extras[name] for name in self.extra_names]
+        masks = _mask_values(part.mask_share)
+        carry += masks
         metric_state = []
         if self.update_metrics:
             build_metrics(self.model, micro_batch.y, part.y_pred)
@@ -495,9 +538,10 @@ class _Engine:
                 self._metrics_update(initial, micro_batch, part.y_pred)
             )
         self.sizes = (
-            len(carry) - 1 - len(part.output_losses) - len(self.extra_names),
+            len(carry) - 1 - len(part.output_losses) - len(self.extra_names) - len(masks),
             len(part.output_losses),
             len(self.extra_names),
+            len(masks),
             len(metric_state),
         )
         kinds = {"dense": [False], "sparse": [True, True], None: []}
@@ -509,11 +553,12 @@ class _Engine:
         part = _micro_batch(
             self.model, micro_batch, self.variables, self.compute, weighted=True
         )
-        n_grads, n_outputs, n_extras, n_metrics = self.sizes
+        n_grads, n_outputs, n_extras, n_masks, n_metrics = self.sizes
         packed = _pack_gradients(part.gradients, self.layout, self.variables)
         summed = _add_packed(carry[:n_grads], packed, self.layout)
         scalars = [part.loss] + part.output_losses
         scalars += [part.extras[name] for name in self.extra_names]
+        scalars += _mask_values(part.mask_share)
         position = n_grads
         for value in scalars:
             summed.append(carry[position] + value)
@@ -525,17 +570,25 @@ class _Engine:
         return summed, part.y_pred
 
     def result(self, carry, y_pred, batch_size):
-        n_grads, n_outputs, n_extras, n_metrics = self.sizes
+        n_grads, n_outputs, n_extras, n_masks, n_metrics = self.sizes
         position = n_grads
         loss = carry[position]
         outputs = carry[position + 1 : position + 1 + n_outputs]
         position += 1 + n_outputs
         extras = dict(zip(self.extra_names, carry[position : position + n_extras]))
-        metric_state = carry[position + n_extras :] if n_metrics else None
+        position += n_extras
+        gradients = _unpack_gradients(carry[:n_grads], self.layout, self.variables)
+        if n_masks:
+            # From the samples' share to the unmasked elements' share.
+            valid, total = carry[position : position + 2]
+            correction = tf.math.divide_no_nan(total, valid)
+            loss = loss * tf.cast(correction, loss.dtype)
+            outputs = [v * tf.cast(correction, v.dtype) for v in outputs]
+            gradients = [_scaled(g, correction) for g in gradients]
+        position += n_masks
+        metric_state = carry[position:] if n_metrics else None
         return AccumulatedGradients(
-            gradients=_unpack_gradients(
-                carry[:n_grads], self.layout, self.variables
-            ),
+            gradients=gradients,
             y_pred=y_pred,
             loss=compat.unscale_loss_for_distribution(loss) if self.unscale else loss,
             batch_size=batch_size,
@@ -543,6 +596,21 @@ class _Engine:
             output_losses=list(outputs),
             metric_state=metric_state,
         )
+
+
+def _mask_values(mask_share):
+    if mask_share is None:
+        return []
+    return [tf.convert_to_tensor(value) for value in mask_share]
+
+
+def _scaled(gradient, factor):
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        values = gradient.values * tf.cast(factor, gradient.values.dtype)
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(factor, gradient.dtype)
 
 
 def build_metrics(model, y, y_pred):

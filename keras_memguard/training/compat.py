@@ -63,6 +63,7 @@ PRIVATE_NAMES = (
     ("keras.Model", "_autoconvert_optionals"),
     ("tensorflow.core.protobuf.bfc_memory_map_pb2", "MemoryDump"),
     ("tensorflow.compiler.xla.service.hlo_pb2", "HloProto"),
+    ("keras.src.losses.loss", "apply_mask"),
     ("tf.function", "_omit_frequent_tracing_warning"),
 )
 OPTIONAL_NAMES = (("keras.Model", "_autoconvert_optionals"),)
@@ -438,6 +439,38 @@ def recording_per_output_losses(model):
     finally:
         for metric in metrics:
             object.__delattr__(metric, "update_state")
+
+
+@contextlib.contextmanager
+def recording_loss_masks():
+    """Records the masks Keras' losses average over, inside the block.
+
+    A loss whose values carry a mask (Keras masks, `ignore_class`) with a
+    mean reduction is divided by the number of unmasked elements, not of
+    samples. Inside the block (at trace time) each such reduction appends
+    `(valid, total)` to the yielded list: the unmasked elements and all
+    elements, scalar tensors.
+
+    Yields:
+        A list of `(valid, total)` pairs.
+    """
+    module = importlib.import_module("keras.src.losses.loss")
+    original = _attribute(module, "apply_mask")
+    recorded = []
+
+    def apply_mask(sample_weight, mask, dtype, reduction):
+        if mask is not None and reduction in ("mean", "sum_over_batch_size"):
+            flat = keras.ops.cast(keras.ops.reshape(mask, (-1,)), dtype)
+            recorded.append(
+                (keras.ops.sum(flat), keras.ops.cast(keras.ops.shape(flat)[0], dtype))
+            )
+        return original(sample_weight, mask, dtype, reduction)
+
+    module.apply_mask = apply_mask
+    try:
+        yield recorded
+    finally:
+        module.apply_mask = original
 
 
 def override_build_and_make_function(model, to_build_batch, wrap_step):
