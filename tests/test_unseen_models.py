@@ -62,3 +62,27 @@ def test_an_xla_step_is_planned_from_its_compiled_program_with_no_error():
     assert result["oom_recoveries"] == 0, result
     # Split (plain training does not fit), and the same count every batch.
     assert result["ks"][0] > 1 and len(set(result["ks"])) == 1, result
+
+
+def _accumulators_run(mode):
+    import programs
+
+    return run_with_memory_cap(
+        programs.source("accumulators_under_cap", mode), memory_limit_mib=150, timeout=400
+    ).result
+
+
+def test_a_refusal_names_the_accumulators_when_they_are_what_does_not_fit():
+    # The weights and Adam's slots take 97 MiB of 150; the accumulators 32
+    # MiB more. Plain fit at batch 16 peaks at 149.3 MiB here: one sample
+    # fits, accumulation does not.
+    result = _accumulators_run("accumulate")
+    assert result["error"] is not None, result
+    error = result["error"]
+    assert error.startswith("MicroBatchTooLargeError: Accumulating gradients does not fit")
+    assert "does not fit in device memory: the batch" not in error
+    assert "the accumulators take 32.1 MiB" in error, error
+    assert 'mode=\\"shrink\\"' in error or 'mode="shrink"' in error, error
+    # What the message offers trains every batch.
+    shrink = _accumulators_run("shrink")
+    assert shrink["error"] is None and shrink["batches"] == 4, shrink

@@ -236,14 +236,36 @@ def too_large(
     escalate=(),
     rungs_tried=(),
     remat_refusal=NO_RUNGS,
+    accumulation=None,
 ):
     """`MicroBatchTooLargeError`'s text when one sample does not fit.
 
     With no rung allowed, the remat rung is offered only where it can be
     used (`remat_refusal` is `None`); where it cannot (a str), the text
     says why, so the hint is never one the guard would then refuse; with
-    `NO_RUNGS` it mentions no rung.
+    `NO_RUNGS` it mentions no rung. `accumulation` is `(in_use_bytes,
+    accumulator_bytes)` of an accumulating step: where the accumulators
+    leave less room than they take, the text says that accumulation is what
+    does not fit, and what trains instead.
     """
+    if accumulation is not None and limit:
+        in_use, accumulators = accumulation
+        if in_use is not None and accumulators and limit - in_use - accumulators < accumulators:
+            return (
+                f"Accumulating gradients does not fit in device memory: "
+                f"{_mib(in_use)} was in use before the batch (weights, optimizer "
+                f"state, inputs) and the accumulators take {_mib(accumulators)} "
+                f"more (one per trainable weight), which leaves "
+                f"{_mib(max(limit - in_use - accumulators, 0))} of the "
+                f"{_mib(limit)} limit for a micro-batch's activations and "
+                f"gradients; the batch of {_samples(batch_size)} ran out of "
+                f"memory even at {micro_batches_text(micro_batches)}. A single "
+                "sample may well fit without the accumulators. HINT: "
+                "`MemoryGuard(mode=\"shrink\")` trains at the micro-batch size "
+                "without accumulators (one update per micro-batch), or pass a "
+                "smaller `batch_size` to `fit`; mixed precision halves the "
+                "accumulators."
+            )
     counted = micro_batches_text(micro_batches)
     tried = f" Tried: {counted} of one sample"
     if rungs_tried:

@@ -62,12 +62,13 @@ def cannot_split_error(
     micro_batches,
     evaluating=False,
     remat_refusal=messages.NO_RUNGS,
+    accumulation=None,
 ):
     """The `MicroBatchTooLargeError` for a batch no count can help.
 
     `remat_refusal` is `messages.too_large`'s: `None` where the remat rung
     can be used on the model, else why not (training on TensorFlow), or
-    `messages.NO_RUNGS`.
+    `messages.NO_RUNGS`; so is `accumulation`.
     """
     samples = guard._reader.read(guard, None)
     peak = max((s.peak_bytes or 0 for s in samples), default=0) or None
@@ -87,6 +88,7 @@ def cannot_split_error(
             guard.escalate,
             tried,
             remat_refusal=remat_refusal,
+            accumulation=accumulation,
         )
     elif decided.cannot_split == decider.CANNOT_SPLIT_ALLOCATION:
         message = messages.allocation_does_not_shrink(decided.reason, batch_size, peak, limit)

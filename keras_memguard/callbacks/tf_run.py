@@ -444,6 +444,11 @@ class TfTrainingRun:
                 batch_size,
                 micro_batches,
                 remat_refusal=remat.can_remat(self.model),
+                accumulation=(
+                    (self._before, gradient_bytes(self.model))
+                    if guard.mode == "accumulate"
+                    else None
+                ),
             ) from error
         new_k = decided.micro_batches
         oom_report.report(guard, explanation._replace(replayed_with=new_k))
