@@ -123,7 +123,7 @@ def compiled_step_error(guard, explanation, weights_path):
         else " Pass `backup_dir` to have the weights saved at such an error."
     )
     message = (
-        f"The XLA-compiled train step ran out of memory at step {explanation.step} "
+        f"An XLA-compiled step of `fit` ran out of memory at step {explanation.step} "
         f"({decider.micro_batches_text(explanation.micro_batches)} of a batch of "
         f"{explanation.batch_size}): {oom_explanation.describe(explanation)}. "
         "After an out-of-memory error inside an XLA program TensorFlow can abort "

@@ -459,7 +459,7 @@ class TfTrainingRun:
         return new_k
 
     def _stop_compiled(self, explanation, error):
-        """Ends `fit` after an XLA step ran out of memory: no replay.
+        """Ends `fit` after an XLA step (train or validation) ran out of memory: no replay.
 
         After such an error TensorFlow's allocator can abort the process at
         the next step, so the batch is not replayed. What the decider
@@ -480,6 +480,11 @@ class TfTrainingRun:
         `oom_recoveries` stay as they are.
         """
         guard = self.guard
+        if self.xla:
+            # As for training: no replay after an error in an XLA program.
+            self._stop_compiled(
+                oom_report.explain(guard, error, batch_size, micro_batches), error
+            )
         decided = guard.controller.fail_evaluation(batch_size or 1, micro_batches)
         if decided.cannot_split:
             raise oom_report.cannot_split_error(
