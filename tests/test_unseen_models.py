@@ -60,8 +60,10 @@ def test_an_xla_step_is_planned_from_its_compiled_program_with_no_error():
     assert result["jit_compile"] is True
     _trained_every_batch(result)
     assert result["oom_recoveries"] == 0, result
-    # Split (plain training does not fit), and the same count every batch.
-    assert result["ks"][0] > 1 and len(set(result["ks"])) == 1, result
+    # Split at every batch (plain training does not fit). The count may
+    # rise where more is in use before a batch (Keras 3.8's numpy input
+    # holds 109 MiB more from the second batch on here: 3, then 8).
+    assert all(k > 1 for k in result["ks"]), result
 
 
 def _accumulators_run(mode):

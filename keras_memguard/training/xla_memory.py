@@ -64,7 +64,8 @@ def memory_of_buffer_assignment(assignment, micro_batches):
         size = int(allocation.size)
         if allocation.is_entry_computation_parameter:
             arguments += size
-            if allocation.is_parameter_aliased_with_output:
+            # A field newer XLA versions have (not TensorFlow 2.18's).
+            if getattr(allocation, "is_parameter_aliased_with_output", False):
                 aliased += size
             continue
         if allocation.is_thread_local:
