@@ -25,7 +25,6 @@ from keras_memguard.callbacks import oom_report
 from keras_memguard.callbacks.controller import GuardController
 from keras_memguard.compiled_plan import excess_bytes
 from keras_memguard.compiled_plan import plan_micro_batches
-from keras_memguard.errors import CompiledStepOutOfMemoryError
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.probes import region
 from keras_memguard.training import compat

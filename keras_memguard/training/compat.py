@@ -226,16 +226,20 @@ def autoconvert_optionals(model, function):
 
     @functools.wraps(function)
     def wrapper(data):
-        return function(
-            tree.map_structure(
-                lambda item: None
-                if isinstance(item, tf.experimental.Optional)
-                else item,
-                data,
-            )
-        )
+        return function(optionals_to_none(data))
 
     return wrapper
+
+
+def optionals_to_none(data):
+    """`data` with each `tf.experimental.Optional` replaced by `None`.
+
+    What a step wrapped by `autoconvert_optionals` receives.
+    """
+    return tree.map_structure(
+        lambda item: None if isinstance(item, tf.experimental.Optional) else item,
+        data,
+    )
 
 
 def _attribute(obj, name):

@@ -12,7 +12,6 @@ so one planner (`keras_memguard.compiled_plan`) chooses the count on both.
 """
 
 import tensorflow as tf
-from keras import tree
 
 from keras_memguard.compiled_plan import StepMemory
 from keras_memguard.training import compat
@@ -43,11 +42,7 @@ def step_memory(step, data, micro_batches):
     get_ir = getattr(function, "experimental_get_compiler_ir", None)
     if get_ir is None:
         return None
-    # As `compat.autoconvert_optionals` hands the batch to the step.
-    data = tree.map_structure(
-        lambda item: None if isinstance(item, tf.experimental.Optional) else item,
-        data,
-    )
+    data = compat.optionals_to_none(data)
     try:
         blob = get_ir(data)(stage="optimized_hlo_proto_serialized")
         proto = compat.parse_hlo_proto(blob)
@@ -59,14 +54,11 @@ def step_memory(step, data, micro_batches):
 
 def memory_of_buffer_assignment(assignment, micro_batches):
     """Sums an XLA `BufferAssignmentProto`'s allocations into a `StepMemory`."""
-    arguments = outputs = temporaries = aliased = largest = 0
+    arguments = outputs = temporaries = largest = 0
     for allocation in assignment.buffer_allocations:
         size = int(allocation.size)
         if allocation.is_entry_computation_parameter:
             arguments += size
-            # A field newer XLA versions have (not TensorFlow 2.18's).
-            if getattr(allocation, "is_parameter_aliased_with_output", False):
-                aliased += size
             continue
         if allocation.is_thread_local:
             continue  # on the stack, not in the device allocator
