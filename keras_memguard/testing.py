@@ -9,6 +9,12 @@ reads these variables once per process, so each cap needs its own process;
 
 oneDNN is switched off in capped processes: with it on, a second
 out-of-memory error in one process can crash TensorFlow 2.21.
+
+`act_as_gpu` (or `as_gpu=True` on the runners) makes a capped process
+behave as Keras and TensorFlow do on a GPU, the path users take: the
+allocator holds the whole cap as one region from the start (TensorFlow's
+GPU allocator without memory growth), and `jit_compile="auto"` compiles
+the step with XLA wherever the model supports it.
 """
 
 import json
@@ -19,6 +25,57 @@ import textwrap
 from typing import Any, NamedTuple, Optional
 
 RESULT_MARKER = "KERAS_MEMGUARD_RESULT "
+# Run before the child's own code when `as_gpu=True`.
+_AS_GPU_PRELUDE = "import keras_memguard.testing as _t; _t.act_as_gpu(); del _t\n"
+_gpu_jit = None
+
+
+def act_as_gpu():
+    """Makes this process's capped CPU behave as Keras and TensorFlow on a GPU.
+
+    Two things differ between the capped CPU and a GPU, and both change
+    what fits:
+
+    - TensorFlow's GPU allocator takes the whole memory as one region at
+      its first allocation (unless memory growth is on); the CPU one grows
+      region by region and hands out whole regions for tensors up to half
+      their size, so a fresh process fits less. This reserves the rest of
+      the cap as one free region now.
+    - Keras resolves `jit_compile="auto"` to XLA wherever a GPU is present
+      and the model supports it (not under a `tf.distribute` strategy), and
+      to no XLA on a CPU-only machine. From now on it resolves as on a GPU.
+
+    Call it once, at the start of a process whose allocator is capped
+    (`memory_cap_env`), before models are compiled.
+
+    Raises:
+        RuntimeError: If the process's CPU allocator is not capped.
+
+    Example:
+
+    ```python
+    from keras_memguard.testing import act_as_gpu, run_with_memory_cap
+
+    run_with_memory_cap("model.fit(...)", memory_limit_mib=600, as_gpu=True)
+    ```
+    """
+    global _gpu_jit
+    from keras_memguard.probes import region
+    from keras_memguard.probes.tf_allocator import AllocatorProbe
+    from keras_memguard.training import compat
+
+    probe = AllocatorProbe()
+    if probe.mode != "bfc":
+        raise RuntimeError(
+            "act_as_gpu needs TensorFlow's capped CPU allocator: set "
+            "TF_CPU_ALLOCATOR_USE_BFC=true and TF_CPU_BFC_MEM_LIMIT_IN_MB "
+            "before TensorFlow is imported (memory_cap_env). Received: "
+            f"allocator mode {probe.mode!r}"
+        )
+    region.reserve_bfc_regions(probe)
+    if _gpu_jit is None:
+        _gpu_jit = compat.resolving_auto_jit_compile_as_on_gpu()
+        _gpu_jit.__enter__()
 
 
 def memory_cap_env(memory_limit_mib, base_env=None):
@@ -87,7 +144,9 @@ class CappedRun(NamedTuple):
     result: Optional[Any]
 
 
-def run_with_memory_cap(code, memory_limit_mib, timeout=600, env=None, check=True):
+def run_with_memory_cap(
+    code, memory_limit_mib, timeout=600, env=None, check=True, as_gpu=False
+):
     """Runs Python source in a new process under a capped allocator.
 
     Args:
@@ -98,6 +157,8 @@ def run_with_memory_cap(code, memory_limit_mib, timeout=600, env=None, check=Tru
         env: Extra environment variables for the process. Defaults to `None`.
         check: If `True`, a non-zero exit raises `RuntimeError` carrying the
             process output. Defaults to `True`.
+        as_gpu: If `True`, the process calls `act_as_gpu` first. Defaults
+            to `False`.
 
     Returns:
         A `CappedRun`.
@@ -119,12 +180,12 @@ def run_with_memory_cap(code, memory_limit_mib, timeout=600, env=None, check=Tru
     ```
     """
     return run_script_with_memory_cap(
-        ["-c", textwrap.dedent(code)], memory_limit_mib, timeout, env, check
+        ["-c", textwrap.dedent(code)], memory_limit_mib, timeout, env, check, as_gpu
     )
 
 
 def run_script_with_memory_cap(
-    arguments, memory_limit_mib, timeout=600, env=None, check=True
+    arguments, memory_limit_mib, timeout=600, env=None, check=True, as_gpu=False
 ):
     """Runs `python ARGUMENTS...` in a new process under a capped allocator.
 
@@ -138,6 +199,8 @@ def run_script_with_memory_cap(
         env: Extra environment variables for the process. Defaults to `None`.
         check: If `True`, a non-zero exit raises `RuntimeError` carrying the
             process output. Defaults to `True`.
+        as_gpu: If `True`, the process calls `act_as_gpu` before the script
+            or source runs. Defaults to `False`.
 
     Returns:
         A `CappedRun`; its `result` is the last value the process passed to
@@ -159,6 +222,8 @@ def run_script_with_memory_cap(
     process_env = memory_cap_env(memory_limit_mib)
     if env:
         process_env.update(env)
+    if as_gpu:
+        arguments = _after_act_as_gpu(list(arguments))
     completed = subprocess.run(
         [sys.executable, *arguments],
         capture_output=True,
@@ -177,3 +242,18 @@ def run_script_with_memory_cap(
             f"--- stderr ---\n{completed.stderr[-8000:]}"
         )
     return CappedRun(completed.returncode, completed.stdout, completed.stderr, result)
+
+
+def _after_act_as_gpu(arguments):
+    """The interpreter's arguments, with `act_as_gpu()` run first."""
+    if arguments[0] == "-c":
+        return ["-c", _AS_GPU_PRELUDE + arguments[1], *arguments[2:]]
+    script = arguments[0]
+    runner = (
+        _AS_GPU_PRELUDE
+        + "import runpy, sys\n"
+        + f"sys.argv = {arguments!r}\n"
+        + f"sys.path.insert(0, {os.path.dirname(os.path.abspath(script))!r})\n"
+        + f"runpy.run_path({script!r}, run_name='__main__')\n"
+    )
+    return ["-c", runner]

@@ -75,14 +75,15 @@ def test_trials_stay_under_the_limit_and_everything_is_put_back():
         np.testing.assert_array_equal(a, b)
     assert result.out_of_memory_errors == 0
     assert result.limit_bytes == limit
-    # The answer ran: a trial at that batch, its peak under the threshold.
-    ran = {t.batch_size: t for t in result.trials}
-    assert result.largest_batch_size in ran
-    assert result.measured_peak_bytes == ran[result.largest_batch_size].peak_bytes
+    # The answer is `tolerance` below a trial that ran (no XLA here).
+    ran = {t.batch_size: t for t in result.trials if t.peak_bytes is not None}
+    largest_ran = max(ran)
+    assert result.largest_batch_size == int(largest_ran * 0.95), (result.largest_batch_size, ran)
+    assert result.measured_peak_bytes == ran[largest_ran].peak_bytes
     # Under the threshold, unless the last step was rounded up past it; never
     # past the limit (a trial that was counts as one that ran out of memory).
     last = result.trials[-1]
-    assert result.measured_peak_bytes <= 0.95 * limit or last.batch_size == result.largest_batch_size
+    assert result.measured_peak_bytes <= 0.95 * limit or last.batch_size == largest_ran
     assert result.measured_peak_bytes <= limit
     assert result.largest_batch_size > len(x)  # Samples repeated for larger trials.
     # Fewer steps than doubling from 4 to the answer would take.
@@ -139,35 +140,51 @@ def test_bad_arguments_say_what_is_valid(kwargs, message):
     assert message in str(error.value)
 
 
-@pytest.mark.slow
-def test_under_a_real_cap_the_answer_ran_and_is_close_to_what_fits():
+def _in_a_fresh_process(*arguments):
     from keras_memguard.testing import run_with_memory_cap
     import programs
 
-    result = run_with_memory_cap(
-        programs.source("finder_under_cap"), memory_limit_mib=600, timeout=300
-    ).result
-    # The whole search in the message (a dict's repr is cut short).
-    seen = "largest {} of {} that fit by hand, {} error(s), micro-batches {}, trials {}".format(
-        result["largest"],
-        result["largest_that_fits"],
-        result["errors"],
-        result["micro_batches"],
-        [(t[0], _mib(t[2])) for t in result["trials"]],
+    run = run_with_memory_cap(
+        programs.source("finder_then_fit", *arguments),
+        memory_limit_mib=600,
+        timeout=300,
+        as_gpu=True,
+        check=False,
     )
-    # Near the top the peak sits on a block the allocator rounded up, and a
-    # few samples more jump past the cap (plain training fits about 160
-    # here, not 170): the search stops at that plateau rather than guess,
-    # 0.93 to 0.97 of the largest that fits in bench/RESULTS.md. Where the
-    # jump comes earlier than the plateau shows (on another machine the
-    # step after 144 ran out of memory, and 161 then fitted by hand: 0.89),
-    # the search ends there with one error, which the answer must not
-    # include.
-    assert result["errors"] <= 1, seen
-    assert 0.85 * result["largest_that_fits"] <= result["largest"], seen
-    assert result["largest"] <= result["largest_that_fits"], seen
-    assert result["iterations"] == 0, seen
-    assert result["micro_batches"] >= 1024 / result["largest"], seen
+    assert run.result is not None, run.stderr[-3000:]
+    return run.result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("jit", ["off", "auto"])
+def test_the_answer_trains_in_plain_fit_in_a_fresh_process_and_is_close(jit):
+    # The README's usage on 1024 numpy samples under a 600 MiB cap, the
+    # allocator as on a GPU; `auto` compiles the step with XLA there.
+    found = _in_a_fresh_process("find", "numpy", jit)
+    # Without XLA a trial near the top may run out of memory in a step
+    # after the first (where prefetched batches landed splits the free
+    # memory): recovered, and the answer is the largest batch that ran.
+    # On XLA the search reads the compiled program and runs no step that
+    # does not fit.
+    assert found["xla"] == (jit == "auto"), found
+    assert found["errors"] <= (0 if found["xla"] else 1), found
+    answer = found["answer"]
+    assert _in_a_fresh_process("fit", "numpy", jit, answer)["trained"], found
+    if jit == "off":
+        # Within 10% of the largest that trains: 11% more does not. (On
+        # XLA plain Keras aborts the process there, so only the answer is run.)
+        larger = _in_a_fresh_process("fit", "numpy", jit, -(-answer * 10 // 9))
+        assert not larger["trained"], found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dataset", "py_dataset"])
+def test_the_answer_for_a_pipeline_trains_in_plain_fit(kind):
+    found = _in_a_fresh_process("find", kind, "off")
+    assert found["errors"] <= 1, found
+    # Before: a search on these inputs raised (numpy arrays only).
+    assert found["answer"] >= 64, found
+    assert _in_a_fresh_process("fit", kind, "off", found["answer"])["trained"], found
 
 
 def test_a_train_step_of_its_own_is_searched_as_it_trains():

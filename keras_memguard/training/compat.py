@@ -65,6 +65,10 @@ PRIVATE_NAMES = (
     ("tensorflow.compiler.xla.service.hlo_pb2", "HloProto"),
     ("keras.src.losses.loss", "apply_mask"),
     ("tf.function", "_omit_frequent_tracing_warning"),
+    ("keras.src.trainers.data_adapters", "get_data_adapter"),
+    ("keras.src.trainers.trainer", "model_supports_jit"),
+    ("keras.src.trainers.trainer.Trainer", "_resolve_auto_jit_compile"),
+    ("keras.Model", "_distribute_strategy"),
 )
 OPTIONAL_NAMES = (("keras.Model", "_autoconvert_optionals"),)
 # The JAX trainer's private names, resolved where JAX is installed.
@@ -172,6 +176,42 @@ def concatenate_predictions_on_host():
     setattr(host_concat, _HOST_OUTPUTS_MARK, True)
     module.potentially_ragged_concat = host_concat
     module.convert_to_np_if_not_ragged = host_to_numpy
+
+
+def data_adapter(x, y=None, sample_weight=None, batch_size=None):
+    """The data adapter `fit` builds for this input (shuffled, as `fit` does)."""
+    get = _import_attribute("keras.src.trainers.data_adapters", "get_data_adapter")
+    return get(x, y, sample_weight, batch_size=batch_size, shuffle=True)
+
+
+@contextlib.contextmanager
+def resolving_auto_jit_compile_as_on_gpu():
+    """Within: `jit_compile="auto"` resolves as Keras resolves it with a GPU.
+
+    Keras turns XLA off for `"auto"` on a machine with no accelerator and
+    under a `tf.distribute` strategy, and on otherwise wherever the model
+    supports it (`Trainer._resolve_auto_jit_compile`).
+    """
+    trainer = _import_attribute("keras.src.trainers.trainer", "Trainer")
+    supports_jit = _import_attribute("keras.src.trainers.trainer", "model_supports_jit")
+    original = trainer.__dict__.get("_resolve_auto_jit_compile")
+    if original is None:
+        raise _missing("`Trainer._resolve_auto_jit_compile`")
+
+    def resolve(self):
+        if keras.backend.backend() == "torch":
+            return False
+        if keras.backend.backend() == "tensorflow" and getattr(
+            self, "_distribute_strategy", None
+        ):
+            return False
+        return supports_jit(self)
+
+    trainer._resolve_auto_jit_compile = resolve
+    try:
+        yield
+    finally:
+        trainer._resolve_auto_jit_compile = original
 
 
 def tensorflow_trainer_class():
