@@ -1,4 +1,4 @@
-"""The largest batch that trains in one step, found without running out of memory.
+"""The largest batch that trains in `fit`, found with planned trials.
 
 Lightning's `BatchSizeFinder`, accelerate's `find_executable_batch_size`
 and transformers' `auto_find_batch_size` search by running out of memory
@@ -25,9 +25,19 @@ batch that ran, never one it only predicted. The decider's memory model,
 fitted to the trials, answers how many micro-batches a requested batch
 needs, never fewer than a micro-batch no larger than a batch that ran.
 
-Each trial is one call of the model's own train function on a batch
-packed as `fit` packs it, so a custom `train_step` is measured as it
-trains. Before the first trial
+Each trial runs the model's own train function as `fit` in a fresh
+process runs it: traced anew at the trial's batch size, fed by Keras' own
+data adapter from the user's input (numpy arrays, a `tf.data.Dataset` or a
+`PyDataset`), for a few steps, so a custom `train_step`, the input
+pipeline's buffers and the arrays `fit` holds are all measured. Each
+trial's memory counts from what was in use before it, so what an earlier
+trial left behind does not count. Without XLA the answer is `tolerance`
+below the largest batch that ran (at the very top, a batch trains or not
+depending on where the prefetched batches land), and a trial there may
+still run out of memory (recovered). On XLA, where an error in a compiled
+program can end the process, the search reads XLA's buffer assignment of
+the train step at each batch instead of running it, and runs one step at
+the answer. Before the first trial
 every weight, optimizer variable (slots and the step counter) and metric
 variable is copied; afterwards all are put back, bit for bit.
 """
@@ -153,15 +163,18 @@ def find_batch_size(
     Runs a few planned training steps on slices of `x` (repeated when a
     trial needs more samples than `x` holds), each at a batch whose
     predicted peak stays under `threshold` of the memory limit, and
-    returns the largest batch that ran without running out of memory. The model's weights, optimizer
+    returns the batch to train with (see `BatchSizeResult`). The model's weights, optimizer
     state (slots and step counter) and metrics are restored exactly
     afterwards. Call it after `compile`, on the device training will use.
 
     Args:
         model: A compiled Keras model.
-        x: Input samples: a numpy array or tensor, or a list or dict of
-            them, as `fit` takes (at least one sample).
-        y: Targets, in the same form, or `None`. Defaults to `None`.
+        x: The input `fit` will get: a numpy array or tensor, or a list or
+            dict of them (at least one sample), a batched `tf.data.Dataset`
+            (re-batch it at the answer) or a `keras.utils.PyDataset` (make
+            it with the answer as its batch size).
+        y: Targets, in the same form as array `x`, or `None` (always `None`
+            with a dataset). Defaults to `None`.
         sample_weight: Sample weights, or `None`. Defaults to `None`.
         batch_size: A batch you plan to train with, or `None`. When given,
             the result also says how many micro-batches `MemoryGuard` would

@@ -202,3 +202,15 @@ def test_a_train_step_of_its_own_is_searched_as_it_trains():
         np.testing.assert_array_equal(a, b)
     assert result.out_of_memory_errors == 0
     assert result.largest_batch_size >= 4 and all(t.peak_bytes for t in result.trials)
+
+
+def test_a_dataset_with_separate_targets_is_refused_by_name():
+    import tensorflow as tf
+
+    model = bn_dropout_model()
+    x, y = data(8)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    with pytest.raises(ValueError) as error:
+        keras_memguard.find_batch_size(model, dataset, y, memory_limit=ROOM)
+    assert "`y` and `sample_weight` must be None when `x` is a" in str(error.value)
+    assert "Received: y=ndarray, sample_weight=None" in str(error.value)

@@ -114,3 +114,18 @@ def test_a_peer_abort_is_told_by_error_type_and_the_stored_worker_not_text():
         None, None, "Collective ops is aborted by: keras_memguard"
     )
     assert multi_worker._raise_if_peer_aborted(other) is None
+
+
+def test_auto_jit_compile_resolves_as_on_a_gpu_within_and_as_before_after():
+    def resolved(**kwargs):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse", **kwargs)
+        return model.jit_compile
+
+    assert resolved() is False  # No GPU here: Keras turns XLA off.
+    with compat.resolving_auto_jit_compile_as_on_gpu():
+        assert resolved() is True
+        assert resolved(jit_compile=False) is False
+        with tf.distribute.MirroredStrategy(["CPU:0"]).scope():
+            assert resolved() is False  # Off under a strategy, as on a GPU.
+    assert resolved() is False
