@@ -103,7 +103,9 @@ def load(key, fields):
     except ValueError as error:
         _warn_ignored(path, str(error))
         return None
-    return state
+    # What the earlier run learned, not what happened in it: this run's
+    # recoveries count from zero.
+    return state._replace(oom_count=0, eval_oom_count=0)
 
 
 def save(key, fields, state):

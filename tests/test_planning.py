@@ -179,6 +179,22 @@ def test_a_second_fit_of_the_same_setup_starts_from_the_cache(limit, caplog):
     assert history.history["samples"] == [8.0 * BATCH]
 
 
+def test_recoveries_of_an_earlier_run_are_not_counted_again(limit):
+    # The quickstart's second run printed "out-of-memory recoveries: 1"
+    # with no error: the count came from the cached state of the first.
+    guarded_fit(limit)
+    (name,) = os.listdir(plan_cache.cache_dir())
+    path = os.path.join(plan_cache.cache_dir(), name)
+    with open(path) as f:
+        payload = json.load(f)
+    payload["decider"]["oom_count"] = 1
+    payload["decider"]["eval_oom_count"] = 2
+    with open(path, "w") as f:
+        json.dump(payload, f)
+    second, _, _ = guarded_fit(limit)
+    assert second.oom_recoveries == 0 and second.eval_oom_recoveries == 0
+
+
 def test_a_corrupt_cache_file_is_ignored_with_one_warning(limit):
     guarded_fit(limit)
     (name,) = os.listdir(plan_cache.cache_dir())
