@@ -22,6 +22,9 @@ SMOKE_RUNS = {
     ),
     "bench_monitor.py": (["--rounds", "1", "--skip-fits"], "MemoryGuard: before the step"),
     "bench_guard.py": (["--parts", "1", "--rounds", "1", "--ks", "2"], "| k=2, B=256 |"),
+    "bench_unseen.py": (
+        ["--models", "mobilenet_v3", "--xla", "off", "--parts", "plain"], "| mobilenet_v3 | off | 64 |"
+    ),
     "bench_escalation.py": (
         ["--rounds", "1", "--caps", "400", "--variants", "plain", "--steps", "1",
          "--no-numerics", "--no-preflight"],

@@ -1,0 +1,343 @@
+"""Models the tests never use, under 0.55x their plain peak, with and without XLA.
+
+Every run is a child process under a real cap on TensorFlow's CPU BFC
+allocator that behaves as on a GPU (`keras_memguard.testing.act_as_gpu`:
+the cap reserved as one region; `--xla on` compiles the step with XLA, as
+`jit_compile="auto"` does on a GPU). Per model and XLA setting:
+
+1. `plain`: plain `fit` under an 8 GiB cap; the largest step peak sets the
+   cap of the rest, `--share` (0.55) of it.
+2. `guard`: `fit` with `MemoryGuard()` under that cap, three runs: from an
+   empty plan cache (a fresh `$KERAS_HOME`), again from the cache it left,
+   and from another empty cache with the CPU shared by two busy
+   processes. Reported: out-of-memory errors, crashes (the process did not
+   end cleanly or `fit` raised), whether every batch of every run ended,
+   and the micro-batch size each settled on.
+3. `fixed`: the best fixed count: from the first run's settled count down,
+   `MemoryGuard(plan=False, micro_batches=k, cooldown=10**9)` until a count
+   runs out of memory or peaks above the guard's threshold (90%); the
+   smallest count that ran clean under it is the best. Reported:
+   settled micro-batch / best micro-batch, first run and cached.
+4. `finder`: `find_batch_size` on the same numpy input, then plain `fit`
+   at its answer and at 11% above it, each in a fresh process. Reported:
+   the answer, whether each trained.
+
+Goals (issue "never worse than plain Keras"): 0 errors and 0 crashes;
+settled / best >= 0.85 first run, >= 0.95 cached; spread <= 10%; the
+finder's answer trains and 11% more does not.
+
+    python bench/bench_unseen.py [--models efficientnet,densenet,...]
+        [--xla off,on] [--parts plain,guard,fixed,finder] [--share 0.55]
+        [--json results.json]
+"""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+MIB = 1 << 20
+THRESHOLD = 0.9  # MemoryGuard's default
+STEPS = 4  # batches per fit
+PARTS = ("plain", "guard", "fixed", "finder")
+# name: batch size
+MODELS = {
+    "efficientnet": 32,
+    "densenet": 32,
+    "mobilenet_v3": 64,
+    "decoder": 32,
+    "decoder_masked": 32,
+    "mixed_convnet": 128,
+}
+
+
+def build(name):
+    """A seeded, compiled model and `(x, y)` numpy arrays of `STEPS` batches."""
+    import keras
+    import numpy as np
+
+    layers = keras.layers
+    batch = MODELS[name]
+    samples = batch * STEPS
+    rng = np.random.default_rng(0)
+    if name == "mixed_convnet":
+        keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    if name in ("efficientnet", "densenet", "mobilenet_v3"):
+        make = {
+            "efficientnet": keras.applications.EfficientNetB0,
+            "densenet": keras.applications.DenseNet121,
+            "mobilenet_v3": keras.applications.MobileNetV3Small,
+        }[name]
+        model = make(weights=None, input_shape=(64, 64, 3), classes=10)
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy())
+        x = rng.random((samples, 64, 64, 3), dtype=np.float32)
+        return model, x, rng.integers(0, 10, samples), batch
+    if name == "mixed_convnet":
+        inputs = keras.Input((64, 64, 3))
+        h = layers.Conv2D(32, 3, padding="same")(inputs)
+        for width in (32, 64, 64):
+            shortcut = layers.Conv2D(width, 1, padding="same")(h)
+            h = layers.Conv2D(width, 3, padding="same")(h)
+            h = layers.BatchNormalization()(h)
+            h = layers.Activation("relu")(h)
+            h = layers.Conv2D(width, 3, padding="same")(h)
+            h = layers.Add()([h, shortcut])
+        h = layers.GlobalAveragePooling2D()(h)
+        model = keras.Model(inputs, layers.Dense(10, dtype="float32")(h))
+        model.compile(
+            keras.optimizers.Adam(),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        x = rng.random((samples, 64, 64, 3), dtype=np.float32)
+        return model, x, rng.integers(0, 10, samples), batch
+    # A pre-norm GPT-style decoder: 3 blocks, width 96, 96 tokens, 3000 logits.
+    vocabulary, tokens, width = 3000, 96, 96
+    ids = keras.Input((tokens,), dtype="int32")
+    masked = name == "decoder_masked"
+    h = layers.Embedding(vocabulary, width, mask_zero=masked)(ids)
+    h = h + layers.Embedding(tokens, width)(keras.ops.arange(tokens))
+    for _ in range(3):
+        n = layers.LayerNormalization()(h)
+        h = h + layers.MultiHeadAttention(3, width // 3)(n, n, use_causal_mask=True)
+        n = layers.LayerNormalization()(h)
+        h = h + layers.Dense(width)(layers.Dense(4 * width, activation="gelu")(n))
+    logits = layers.Dense(vocabulary)(layers.LayerNormalization()(h))
+    model = keras.Model(ids, logits)
+    loss = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, ignore_class=0 if masked else None
+    )
+    model.compile("adam", loss)
+    x = rng.integers(1, vocabulary, size=(samples, tokens)).astype("int32")
+    y = np.roll(x, -1, axis=1)
+    if masked:
+        # Padded sequences: a random length each, zeros after it.
+        lengths = rng.integers(tokens // 4, tokens + 1, samples)
+        pad = np.arange(tokens)[None, :] >= lengths[:, None]
+        x[pad], y[pad] = 0, 0
+    return model, x, y, batch
+
+
+# --- children ---------------------------------------------------------------
+
+
+def child(spec):
+    import keras
+    import tensorflow as tf
+
+    import keras_memguard
+
+    model, x, y, batch = build(spec["model"])
+    model.jit_compile = spec["xla"] == "on"
+    run = spec["run"]
+    if run == "find":
+        found = keras_memguard.find_batch_size(model, x, y, verbose=0)
+        return {"answer": found.largest_batch_size, "errors": found.out_of_memory_errors}
+    batch = spec.get("batch", batch)
+    counts = []
+
+    class Counts(keras.callbacks.Callback):
+        def on_train_batch_end(self, step, logs=None):
+            counts.append(guard.micro_batches if guard else 1)
+
+    guard = None
+    if run == "guard":
+        guard = keras_memguard.MemoryGuard()
+    elif run == "fixed":
+        guard = keras_memguard.MemoryGuard(
+            plan=False, micro_batches=spec["k"], cooldown=10**9
+        )
+    peaks = []
+
+    class Peaks(keras.callbacks.Callback):
+        def on_train_batch_begin(self, step, logs=None):
+            tf.config.experimental.reset_memory_stats("CPU:0")
+
+        def on_train_batch_end(self, step, logs=None):
+            peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] / MIB)
+
+    # With a guard, its reader's peaks (MemoryMonitor's): the guard resets
+    # the allocator's peak inside the step, before other callbacks run.
+    callbacks = [Peaks(), Counts()] + ([keras_memguard.MemoryMonitor(), guard] if guard else [])
+    start = time.perf_counter()
+    try:
+        history = model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=callbacks)
+    except tf.errors.ResourceExhaustedError:
+        return {"trained": False, "seconds": time.perf_counter() - start}
+    except Exception as error:  # reported as a user would see it
+        return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    if guard:
+        peaks = history.history["memory_peak_mib"]
+    return {
+        "trained": True,
+        "peak_mib": max(peaks) if peaks else None,
+        "counts": counts,
+        "ooms": guard.oom_recoveries if guard else 0,
+        "batches": len(counts),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def run_child(spec, cap_mib, keras_home=None, busy=False):
+    """`spec` in a child under `cap_mib`, as on a GPU; `busy`: the CPU shared."""
+    from keras_memguard.testing import run_script_with_memory_cap
+
+    home = keras_home or tempfile.mkdtemp(prefix="memguard-unseen-")
+    hogs = []
+    if busy:
+        hogs = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(2)
+        ]
+    try:
+        run = run_script_with_memory_cap(
+            [__file__, "--child", json.dumps(spec)], cap_mib, timeout=1800,
+            env={"KERAS_HOME": home}, check=False, as_gpu=True,
+        )
+    finally:
+        for hog in hogs:
+            hog.kill()
+    if run.result is None:
+        return {"crash": run.returncode, "stderr": run.stderr[-1500:]}
+    return run.result
+
+
+# --- parts ------------------------------------------------------------------
+
+
+def settled(result, batch):
+    """The micro-batch size of the last batch, or None."""
+    if not result.get("trained") or not result.get("counts"):
+        return None
+    return math.ceil(batch / result["counts"][-1])
+
+
+def measure(name, xla, parts, share, report):
+    batch = MODELS[name]
+    row = {"model": name, "xla": xla, "batch": batch}
+    base = {"model": name, "xla": xla}
+    plain = run_child({**base, "run": "plain"}, 8192)
+    row["plain_peak_mib"] = plain.get("peak_mib")
+    if not plain.get("trained"):
+        row["error"] = f"plain fit failed: {plain}"
+        report(row)
+        return row
+    cap = int(share * plain["peak_mib"])
+    row["cap_mib"] = cap
+    if "guard" in parts:
+        home = tempfile.mkdtemp(prefix="memguard-unseen-")
+        runs = [
+            run_child({**base, "run": "guard"}, cap, keras_home=home),
+            run_child({**base, "run": "guard"}, cap, keras_home=home),
+            run_child({**base, "run": "guard"}, cap, busy=True),
+        ]
+        row["guard"] = runs
+        row["errors"] = sum(r.get("ooms", 0) for r in runs)
+        row["crashes"] = sum(1 for r in runs if "crash" in r or "error" in r)
+        row["all_batches"] = all(r.get("batches") == STEPS for r in runs)
+        row["settled"] = [settled(r, batch) for r in runs]
+        first, _, shared = row["settled"]
+        if first and shared:
+            row["spread"] = abs(first - shared) / max(first, shared)
+    if "fixed" in parts and row.get("settled") and row["settled"][0]:
+        k = max(1, math.ceil(batch / row["settled"][0]))
+        best = None
+        while k >= 1:
+            fixed = run_child({**base, "run": "fixed", "k": k}, cap)
+            clean = (
+                fixed.get("trained") and fixed.get("ooms") == 0
+                and fixed.get("peak_mib") is not None
+                and fixed["peak_mib"] <= THRESHOLD * cap
+            )
+            if not clean:
+                break
+            best, k = k, k - 1
+        if best:
+            best_micro = math.ceil(batch / best)
+            row["best_micro"] = best_micro
+            row["ratio"] = [s / best_micro if s else None for s in row["settled"][:2]]
+    if "finder" in parts:
+        found = run_child({**base, "run": "find"}, cap)
+        row["finder"] = found
+        answer = found.get("answer")
+        if answer:
+            row["finder_trains"] = run_child(
+                {**base, "run": "plain", "batch": answer}, cap
+            ).get("trained")
+            row["finder_plus_11_trains"] = run_child(
+                {**base, "run": "plain", "batch": -(-answer * 10 // 9)}, cap
+            ).get("trained")
+    report(row)
+    return row
+
+
+def report_line(row):
+    def show(value):
+        if isinstance(value, float):
+            return f"{value:.2f}"
+        if isinstance(value, list):
+            return ", ".join(show(v) for v in value)
+        return "-" if value is None else str(value)
+
+    answer = (row.get("finder") or {}).get("answer")
+    finder = "-" if answer is None else (
+        f"{answer} ({'trains' if row.get('finder_trains') else 'FAILS'}; "
+        f"+11% {'trains' if row.get('finder_plus_11_trains') else 'fails'})"
+    )
+    print(
+        f"| {row['model']} | {row['xla']} | {row['batch']} | {show(row.get('plain_peak_mib'))} "
+        f"| {row.get('cap_mib', '-')} | {show(row.get('errors'))} | {show(row.get('crashes'))} "
+        f"| {show(row.get('all_batches'))} | {show(row.get('settled'))} "
+        f"| {show(row.get('best_micro'))} | {show(row.get('ratio'))} "
+        f"| {show(row.get('spread'))} | {finder} |",
+        flush=True,
+    )
+    if row.get("error"):
+        print(f"<!-- {row['model']} {row['xla']}: {row['error'][:300]} -->", flush=True)
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        from keras_memguard.testing import emit_result
+
+        emit_result(child(json.loads(sys.argv[2])))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--xla", default="off,on")
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--share", type=float, default=0.55)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; valid: {sorted(MODELS)}")
+    parts = set(args.parts.split(","))
+    print(
+        "| model | XLA | batch | plain peak MiB | cap MiB | errors | crashes "
+        "| all batches | settled micro-batch (first, cached, CPU shared) "
+        "| best micro-batch | settled / best (first, cached) | spread | finder |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = [
+        measure(name, xla, parts, args.share, report_line)
+        for name in models
+        for xla in args.xla.split(",")
+    ]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
