@@ -66,6 +66,12 @@ def test_an_xla_step_is_planned_from_its_compiled_program_with_no_error():
     assert all(k > 1 for k in result["ks"]), result
 
 
+def test_an_xla_evaluate_that_runs_out_of_memory_stops_with_a_clear_error():
+    result = _run(150, "xla_evaluate")
+    assert result["error"].startswith("CompiledStepOutOfMemoryError: An XLA-compiled step of `evaluate`"), result
+    assert result["eval_oom_recoveries"] == 0, result
+
+
 def _accumulators_run(mode):
     import programs
 

@@ -38,9 +38,16 @@ class InferenceRun:
         explain: Called as `explain(error, batch_size, micro_batches)`;
             returns an `OomExplanation`.
         report: Called with an `OomExplanation` to log (and write) it.
+        stop_compiled: For a model whose steps XLA compiles: called as
+            `stop_compiled(explanation, error)` at an out-of-memory error,
+            it raises instead of a replay (after such an error TensorFlow
+            can abort the process). `None` otherwise. Defaults to `None`.
     """
 
-    def __init__(self, kind, model, controller, reader, consumer, limits, explain, report):
+    def __init__(
+        self, kind, model, controller, reader, consumer, limits, explain, report,
+        stop_compiled=None,
+    ):
         self.kind = kind
         self.model = model
         self.controller = controller
@@ -49,6 +56,7 @@ class InferenceRun:
         self.limits = limits
         self.explain = explain
         self.report = report
+        self.stop_compiled = stop_compiled
         self.function = None
         self._before = None
         self._replayed = False
@@ -127,6 +135,8 @@ class InferenceRun:
     def _on_out_of_memory(self, batch_size, micro_batches, error):
         """Sizes the slices the rest of the batch goes on in, or raises."""
         explanation = self.explain(error, batch_size, micro_batches)
+        if self.stop_compiled is not None:
+            self.stop_compiled(explanation, error)
         self._before = decider.in_use_beside_replay(
             self._before, self._in_use(self.reader.read(self.consumer, None))
         )

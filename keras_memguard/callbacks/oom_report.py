@@ -115,24 +115,34 @@ def save_weights_for_restart(guard):
     return path
 
 
-def compiled_step_error(guard, explanation, weights_path):
-    """The `CompiledStepOutOfMemoryError` that ends `fit` after an XLA step's OOM."""
+def compiled_step_error(guard, explanation, weights_path, call="fit"):
+    """The `CompiledStepOutOfMemoryError` that ends `call` after an XLA step's OOM."""
+    head = (
+        f"An XLA-compiled step of `{call}` ran out of memory at step {explanation.step} "
+        f"({decider.micro_batches_text(explanation.micro_batches)} of a batch of "
+        f"{explanation.batch_size}): {oom_explanation.describe(explanation)}. "
+        "After an out-of-memory error inside an XLA program TensorFlow can abort "
+        "the process at the next step, so the batch is not "
+    )
+    if call != "fit":
+        message = head + (
+            "run again in slices. HINT: pass a smaller `batch_size` to "
+            f"`{call}`, or compile with `jit_compile=False`, whose errors the "
+            "guard replays in slices."
+        )
+        return CompiledStepOutOfMemoryError(message, weights_path=None)
     saved = (
         f" The weights were saved to {weights_path}."
         if weights_path
         else " Pass `backup_dir` to have the weights saved at such an error."
     )
-    message = (
-        f"An XLA-compiled step of `fit` ran out of memory at step {explanation.step} "
-        f"({decider.micro_batches_text(explanation.micro_batches)} of a batch of "
-        f"{explanation.batch_size}): {oom_explanation.describe(explanation)}. "
-        "After an out-of-memory error inside an XLA program TensorFlow can abort "
-        "the process at the next step, so the batch is not replayed; the weights "
-        "are those after the last batch that completed." + saved + " HINT: the "
-        "guard plans XLA steps from their compiled program and the memory in "
-        "use before them, so memory taken while the step ran (an input "
-        "pipeline's buffers, another model) was missing: lower `threshold`, "
-        "or compile with `jit_compile=False`, whose errors the guard replays."
+    message = head + (
+        "replayed; the weights are those after the last batch that completed."
+        + saved + " HINT: the guard plans XLA steps from their compiled program "
+        "and the memory in use before them, so memory taken while the step ran "
+        "(an input pipeline's buffers, another model) was missing: lower "
+        "`threshold`, or compile with `jit_compile=False`, whose errors the "
+        "guard replays."
     )
     return CompiledStepOutOfMemoryError(message, weights_path=weights_path)
 

@@ -566,9 +566,20 @@ def inference_run(guard, kind):
         guard._limits,
         functools.partial(oom_report.explain, guard),
         functools.partial(oom_report.report, guard),
+        stop_compiled=(
+            functools.partial(_stop_compiled_inference, guard, kind)
+            if xla_memory.uses_xla(model)
+            else None
+        ),
     )
     run.start()
     return run
+
+
+def _stop_compiled_inference(guard, kind, explanation, error):
+    """Ends `evaluate` or `predict` after an XLA step ran out of memory: no replay."""
+    oom_report.report(guard, explanation)
+    raise oom_report.compiled_step_error(guard, explanation, None, call=kind) from error
 
 
 def _shapes_of(data):

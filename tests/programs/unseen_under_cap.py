@@ -12,10 +12,17 @@ Keras 3 compiles it on a GPU) on numpy images, `fit(batch_size=128)` under
 `MemoryGuard`: one out-of-memory error inside an XLA program can abort the
 process, so none may happen.
 
+`xla_evaluate`: an XLA-compiled MLP's `evaluate(batch_size=8192)` (a
+hidden layer of 4096 units: 128 MiB of activations) under a guard that
+does not plan (`plan=False`), so the cap is hit inside the XLA program: it must end with `CompiledStepOutOfMemoryError`, not a replay
+in slices. The process then leaves with `os._exit`, as
+TensorFlow can abort at exit after such an error.
+
 Reports through `emit_result`: the batches that ended, the counts, the
 out-of-memory recoveries, the loss, and the error raised, if any.
 """
 
+import os
 import sys
 
 import keras
@@ -89,8 +96,33 @@ def xla_cnn():
     return model, x, y, 128
 
 
+def evaluate_beyond_the_cap():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((1024,)),
+        keras.layers.Dense(4096, activation="relu"),
+        keras.layers.Dense(1024, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+    model.compile("adam", "mse", jit_compile=True)
+    rng = np.random.default_rng(0)
+    x = rng.random((8192, 1024), dtype="float32")
+    y = rng.random((8192, 10), dtype="float32")
+    guard = keras_memguard.MemoryGuard(plan=False, plan_cache=False)
+    try:
+        model.evaluate(x, y, batch_size=8192, verbose=0, callbacks=[guard])
+        error = None
+    except Exception as raised:  # noqa: BLE001 - reported to the test.
+        error = f"{type(raised).__name__}: {raised}"
+    emit_result({"error": error, "eval_oom_recoveries": guard.eval_oom_recoveries})
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def main():
     name, options = sys.argv[1], sys.argv[2:]
+    if name == "xla_evaluate":
+        evaluate_beyond_the_cap()
     messages = collect_package_messages()
     if name == "decoder":
         model, x, y, batch = decoder([SampleCount()] if "metric" in options else None)
