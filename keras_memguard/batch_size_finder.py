@@ -346,8 +346,8 @@ def find_batch_size(
                 predicted = in_use + _predicted(state, size, sample_size)
     finally:
         _restore_state(model, saved)
-        # `fit` traces its own train function, as in a fresh process.
-        model.train_function = None
+        # A train function not yet traced, as `fit` in a fresh process has.
+        model.make_train_function(force=True)
     if best is None:
         raise MicroBatchTooLargeError(
             f"No trial step ran without running out of memory ({len(trials)} "
