@@ -179,18 +179,22 @@ def test_a_second_fit_of_the_same_setup_starts_from_the_cache(limit, caplog):
     assert history.history["samples"] == [8.0 * BATCH]
 
 
-def test_recoveries_of_an_earlier_run_are_not_counted_again(limit):
-    # The quickstart's second run printed "out-of-memory recoveries: 1"
-    # with no error: the count came from the cached state of the first.
-    guarded_fit(limit)
+def edit_the_cache_file(change):
+    """Calls `change(payload)` on the one plan file and writes it back."""
     (name,) = os.listdir(plan_cache.cache_dir())
     path = os.path.join(plan_cache.cache_dir(), name)
     with open(path) as f:
         payload = json.load(f)
-    payload["decider"]["oom_count"] = 1
-    payload["decider"]["eval_oom_count"] = 2
+    change(payload)
     with open(path, "w") as f:
         json.dump(payload, f)
+
+
+def test_recoveries_of_an_earlier_run_are_not_counted_again(limit):
+    # The quickstart's second run printed "out-of-memory recoveries: 1"
+    # with no error: the count came from the cached state of the first.
+    guarded_fit(limit)
+    edit_the_cache_file(lambda payload: payload["decider"].update(oom_count=1, eval_oom_count=2))
     second, _, _ = guarded_fit(limit)
     assert second.oom_recoveries == 0 and second.eval_oom_recoveries == 0
 
@@ -211,13 +215,7 @@ def test_a_corrupt_cache_file_is_ignored_with_one_warning(limit):
 
 def test_a_cache_file_of_another_setup_is_not_trusted(limit):
     guarded_fit(limit)
-    (name,) = os.listdir(plan_cache.cache_dir())
-    path = os.path.join(plan_cache.cache_dir(), name)
-    with open(path) as f:
-        payload = json.load(f)
-    payload["setup"]["limits"] = [1]
-    with open(path, "w") as f:
-        json.dump(payload, f)
+    edit_the_cache_file(lambda payload: payload["setup"].update(limits=[1]))
     with pytest.warns(UserWarning, match="another training set-up"):
         _, peaks, _ = guarded_fit(limit)
     assert peaks.ks[0] == 8
