@@ -16,11 +16,12 @@ gradients. So the search grows geometrically while the peak is flat and
 closes in by halves near the top.
 
 It stops when the next step would add less than `tolerance`, when a
-trial peaked above the target (it still counts: it ran) or ran out of
-memory after one that fit, or once a larger trial near the top peaked no
-higher than the one before (a block the allocator rounded up then sets the
-peak, and the batch that outgrows it jumps past what any line through the
-peaks can see). It returns the largest
+trial peaked above the target (it still counts: it ran), or once a larger
+trial near the top peaked no higher than the one before (a block the
+allocator rounded up then sets the peak, and the batch that outgrows it
+jumps past what any line through the peaks can see). A trial that ran out
+of memory above one that fit is followed by the batch halfway between
+them, until that gains less than `tolerance`. It answers from the largest
 batch that ran, never one it only predicted. The decider's memory model,
 fitted to the trials, answers how many micro-batches a requested batch
 needs, never fewer than a micro-batch no larger than a batch that ran.
@@ -281,7 +282,15 @@ def find_batch_size(
                 )
                 upper = size - 1
                 if best is not None:
-                    break  # The edge is between the best batch and this one.
+                    # The edge is between the best batch and this one: the
+                    # middle next, while that gains more than `tolerance`
+                    # (a line through the trials overshot, as Keras 3.8's
+                    # steps at 52 and 90 pointed at 144 under 600 MiB).
+                    middle = (best[0] + size) // 2
+                    if compiled or middle <= best[0] * (1.0 + tolerance):
+                        break
+                    size, predicted = middle, None
+                    continue
             else:
                 _, state = decider.observe(
                     config,

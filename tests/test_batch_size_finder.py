@@ -161,13 +161,13 @@ def test_the_answer_trains_in_plain_fit_in_a_fresh_process_and_is_close(jit):
     # The README's usage on 1024 numpy samples under a 600 MiB cap, the
     # allocator as on a GPU; `auto` compiles the step with XLA there.
     found = _in_a_fresh_process("find", "numpy", jit)
-    # Without XLA a trial near the top may run out of memory in a step
-    # after the first (where prefetched batches landed splits the free
-    # memory): recovered, and the answer is the largest batch that ran.
-    # On XLA the search reads the compiled program and runs no step that
-    # does not fit.
+    # Without XLA a trial near the top may run out of memory (a line
+    # through the trials overshoots, or where prefetched batches landed
+    # splits the free memory), and the search bisects toward the batch
+    # that ran: recovered, at most twice here. On XLA the search reads the
+    # compiled program and runs no step that does not fit.
     assert found["xla"] == (jit == "auto"), found
-    assert found["errors"] <= (0 if found["xla"] else 1), found
+    assert found["errors"] <= (0 if found["xla"] else 2), found
     answer = found["answer"]
     assert _in_a_fresh_process("fit", "numpy", jit, answer)["trained"], found
     if jit == "off":
@@ -181,7 +181,7 @@ def test_the_answer_trains_in_plain_fit_in_a_fresh_process_and_is_close(jit):
 @pytest.mark.parametrize("kind", ["dataset", "py_dataset"])
 def test_the_answer_for_a_pipeline_trains_in_plain_fit(kind):
     found = _in_a_fresh_process("find", kind, "off")
-    assert found["errors"] <= 1, found
+    assert found["errors"] <= 2, found
     # Before: a search on these inputs raised (numpy arrays only).
     assert found["answer"] >= 64, found
     assert _in_a_fresh_process("fit", kind, "off", found["answer"])["trained"], found
