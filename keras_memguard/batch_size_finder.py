@@ -480,12 +480,6 @@ class _TrialInput:
             return max(1, min(TRIAL_STEPS, _sample_count(self.arrays) // size))
         return TRIAL_STEPS
 
-    def samples(self, count):
-        """At least `count` samples, as `(x, y, sample_weight)` arrays."""
-        if self.kind == "arrays":
-            return self.arrays
-        return self._samples(count)
-
     def _samples(self, count):
         """`count` samples from the batches, as arrays (repeated if needed)."""
         parts = []
@@ -605,12 +599,26 @@ def _largest_compiled(model, source, room, ran, upper):
     `(None, 0.0)` when the compiled program cannot be read here.
     """
     step = tf.function(model.train_step, jit_compile=True)
+    sample = source.first_sample()
 
     def demand(size):
-        arrays = _slice(source.samples(size), size)
-        held = sum(float(a.nbytes) for a in tree.flatten(arrays) if a is not None)
-        batch = tree.map_structure(
-            lambda a: None if a is None else tf.convert_to_tensor(a), arrays
+        # A batch of zeros in the device's memory, not samples copied on the
+        # host: at the top of a large device a batch is gigabytes. Where
+        # even the batch does not fit, neither does the step.
+        try:
+            batch = tree.map_structure(
+                lambda a: a if a is None
+                else tf.zeros((size,) + a.shape[1:], a.dtype) if a.ndim
+                else tf.constant(a),
+                sample,
+            )
+        except tf.errors.ResourceExhaustedError:
+            return float("inf")
+        except (TypeError, ValueError):
+            return None  # Not a dtype XLA takes: measure instead.
+        held = sum(
+            float(np.prod(t.shape)) * t.dtype.size
+            for t in tree.flatten(batch) if t is not None
         )
         data = keras.utils.pack_x_y_sample_weight(*(p for p in batch if p is not None))
         memory = xla_memory.step_memory(step, data, 1)
@@ -623,6 +631,8 @@ def _largest_compiled(model, source, room, ran, upper):
     while high is None and low < upper:
         size = int(min(2 * low, upper))
         needed = demand(size)
+        if needed is None:
+            return None, 0.0
         if needed <= room:
             low, fits, fitting = size, size, needed
         else:
@@ -630,6 +640,8 @@ def _largest_compiled(model, source, room, ran, upper):
     while high is not None and high - low > 1:
         size = (low + high) // 2
         needed = demand(size)
+        if needed is None:
+            return None, 0.0
         if needed <= room:
             low, fits, fitting = size, size, needed
         else:
