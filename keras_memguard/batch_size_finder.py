@@ -628,17 +628,9 @@ def _largest_compiled(model, source, room, ran, upper):
     if fitting is None:
         return None, 0.0
     low, high = ran, None
-    while high is None and low < upper:
-        size = int(min(2 * low, upper))
-        needed = demand(size)
-        if needed is None:
-            return None, 0.0
-        if needed <= room:
-            low, fits, fitting = size, size, needed
-        else:
-            high = size
-    while high is not None and high - low > 1:
-        size = (low + high) // 2
+    # Doubling until a batch does not fit, then bisection.
+    while (low < upper) if high is None else (high - low > 1):
+        size = int(min(2 * low, upper)) if high is None else (low + high) // 2
         needed = demand(size)
         if needed is None:
             return None, 0.0
