@@ -170,15 +170,14 @@ def test_the_answer_trains_in_plain_fit_in_a_fresh_process_and_is_close(jit):
     assert found["errors"] <= (0 if found["xla"] else 2), found
     answer = found["answer"]
     assert _in_a_fresh_process("fit", "numpy", jit, answer)["trained"], found
-    newest = tuple(int(part) for part in keras.__version__.split(".")[:2]) >= (3, 9)
-    if jit == "off" and newest:
-        # Within 10% of the largest that trains: 11% more does not. (On
-        # XLA plain Keras aborts the process there, so only the answer is
-        # run.) Checked at the newest end only: at the floor (TensorFlow
-        # 2.18, Keras 3.8) the peaks near the top move between processes
-        # and the answer was 0.89 of a batch that trained in one CI run
-        # (bench/RESULTS.md).
-        larger = _in_a_fresh_process("fit", "numpy", jit, -(-answer * 10 // 9))
+    if jit == "off":
+        # Close to the largest that trains: a fifth more does not. (On XLA
+        # plain Keras aborts the process there, so only the answer is
+        # run.) The margin is wider than the finder's goal (0.9 of the
+        # largest, measured in bench/RESULTS.md) because near the top a
+        # batch trains in one process and not in the next: an answer of
+        # 127 was 0.90 of a batch that trained in one CI run.
+        larger = _in_a_fresh_process("fit", "numpy", jit, -(-answer * 6 // 5))
         assert not larger["trained"], found
 
 
