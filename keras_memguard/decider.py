@@ -86,6 +86,7 @@ __all__ = [
     "Failure",
     "Plan",
     "Reading",
+    "accumulation_fits",
     "fail",
     "fail_evaluation",
     "from_dict",
@@ -849,6 +850,32 @@ def _record_peak(state, readings, work, peak, before):
     works = {w for w, _ in readings}
     kept = [entry for entry in peaks if entry[0] != work and entry[0] in works]
     return tuple(sorted(kept + [(work, peak, before)]))
+
+
+def accumulation_fits(in_use_bytes, accumulator_bytes, limit_bytes):
+    """Whether a step that accumulates gradients can fit at any micro-batch.
+
+    The accumulators hold one buffer per trainable weight beside what is in
+    use, and a micro-batch's own gradients take as much again, however few
+    its samples: where the limit leaves less than that, no split helps.
+
+    Args:
+        in_use_bytes: Memory in use before the step (weights, optimizer
+            state, inputs), or `None` when unknown.
+        accumulator_bytes: The accumulators' bytes (the trainable weights').
+        limit_bytes: The memory limit.
+
+    Returns:
+        A bool; `True` while a figure is unknown.
+
+    Example:
+
+    >>> accumulation_fits(97.0, 32.0, 150.0), accumulation_fits(50.0, 32.0, 150.0)
+    (False, True)
+    """
+    if in_use_bytes is None or not accumulator_bytes or not limit_bytes:
+        return True
+    return limit_bytes - in_use_bytes - accumulator_bytes >= accumulator_bytes
 
 
 def one_sample_fits(config, state, batch):

@@ -72,11 +72,13 @@ def test_an_xla_evaluate_that_runs_out_of_memory_stops_with_a_clear_error():
     assert result["eval_oom_recoveries"] == 0, result
 
 
-def _accumulators_run(mode):
+def _accumulators_run(mode, *more):
     import programs
 
     return run_with_memory_cap(
-        programs.source("accumulators_under_cap", mode), memory_limit_mib=150, timeout=400
+        programs.source("accumulators_under_cap", mode, *more),
+        memory_limit_mib=150,
+        timeout=400,
     ).result
 
 
@@ -94,3 +96,18 @@ def test_a_refusal_names_the_accumulators_when_they_are_what_does_not_fit():
     # What the message offers trains every batch.
     shrink = _accumulators_run("shrink")
     assert shrink["error"] is None and shrink["batches"] == 4, shrink
+
+
+@pytest.mark.parametrize("jit", ["off", "xla"])
+def test_auto_mode_stops_accumulating_where_the_accumulators_do_not_fit(jit):
+    # The model of the test above: "accumulate" refuses, "auto" goes on
+    # without the accumulators and trains every batch. The memory in use
+    # before the first batch shows they cannot fit, so no step runs out of
+    # memory.
+    result = _accumulators_run("auto", jit)
+    assert result["error"] is None, result
+    assert result["batches"] == 4, result
+    assert result["oom_recoveries"] == 0, result
+    switched = [m for m in result["messages"] if "gradient accumulation off" in m]
+    assert len(switched) == 1, result["messages"]
+    assert "the accumulators take 32.1 MiB" in switched[0], switched

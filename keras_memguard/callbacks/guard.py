@@ -68,7 +68,14 @@ class MemoryGuard(keras.callbacks.Callback):
     In `"accumulate"` mode the gradients of the `k` micro-batches are summed,
     weighted by each one's share of the samples, and applied once: the update
     is the one the whole batch would give. In `"shrink"` mode every
-    micro-batch is its own update (a smaller effective batch).
+    micro-batch is its own update (a smaller effective batch). The
+    accumulators take one buffer per trainable weight, which no split
+    removes: `"auto"` accumulates until they are what does not fit (one
+    sample per micro-batch runs out of memory beside them, is predicted to,
+    or no compiled XLA step fits), then goes on as `"shrink"` for the rest
+    of `fit`, with one WARNING line saying why; the batch that ran out of
+    memory is replayed without them. On the JAX backend `"auto"`
+    accumulates.
 
     A batch that still runs out of memory (`tf.errors.ResourceExhaustedError`)
     is run again with a strictly smaller micro-batch, sized from what the
@@ -121,7 +128,8 @@ class MemoryGuard(keras.callbacks.Callback):
             halve, in (0, 1) and below `threshold`. `None` means
             `threshold - 0.2` (half the threshold for thresholds up to 0.4).
             Defaults to `None`.
-        mode: `"accumulate"` or `"shrink"`. Defaults to `"accumulate"`.
+        mode: `"accumulate"`, `"shrink"` or `"auto"` (accumulate while
+            the accumulators fit, then shrink). Defaults to `"accumulate"`.
         max_micro_batches: The largest `k` allowed, or `None` for no cap
             other than the batch size. Defaults to `None`.
         cooldown: When reacting, batches the predicted usage must stay below
@@ -136,7 +144,8 @@ class MemoryGuard(keras.callbacks.Callback):
         memory_limit: Device memory limit in bytes (an int for every device,
             or a dict from TensorFlow device string to bytes). `None`
             resolves it as `AllocatorProbe` documents. Defaults to `None`.
-        scale_learning_rate: In `"shrink"` mode, divide a float learning rate
+        scale_learning_rate: In `"shrink"` mode (and `"auto"` once it
+            shrinks), divide a float learning rate
             by `k` while micro-batching (the linear scaling rule for the
             smaller effective batch). Defaults to `False`.
         log_dir: Directory for TensorBoard logs, or `None` for none.

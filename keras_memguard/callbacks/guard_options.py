@@ -4,7 +4,7 @@ from keras_memguard import decider
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.probes.tf_allocator import AllocatorProbe
 
-MODES = ("accumulate", "shrink")
+MODES = ("accumulate", "auto", "shrink")
 # Opt-in rungs past one sample per micro-batch (`training/remat.py`'s RUNG).
 RUNGS = ("remat",)
 

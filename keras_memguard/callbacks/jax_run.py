@@ -74,7 +74,8 @@ def _kept(model, limit_bytes, config):
 def unsupported_options(guard):
     """The guard's options the JAX backend cannot honour, in words, or `None`."""
     refused = []
-    if guard.mode != "accumulate":
+    # "auto" accumulates: without "shrink" there is nothing to switch to.
+    if guard.mode not in ("accumulate", "auto"):
         refused.append(f"mode={guard.mode!r}")
     if guard.escalate:
         refused.append(f"escalate={guard.escalate!r}")

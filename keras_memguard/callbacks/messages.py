@@ -2,6 +2,7 @@
 
 import logging
 
+from keras_memguard.decider import accumulation_fits
 from keras_memguard.decider import micro_batches_text
 
 logger = logging.getLogger("keras_memguard")
@@ -146,6 +147,17 @@ def log_rung(rung, why, segments, segment_layers):
     )
 
 
+def log_accumulation_off(why, accumulator_bytes):
+    """WARNING: `mode="auto"` stops accumulating gradients for the rest of `fit`."""
+    logger.warning(
+        "mode='auto': gradient accumulation off for the rest of fit: %s (the "
+        "accumulators take %s, one per trainable weight); each micro-batch is "
+        "now its own update, a smaller effective batch, as with mode='shrink'",
+        why,
+        mib_text(accumulator_bytes),
+    )
+
+
 def memory_limit_unknown(devices, backend="tensorflow"):
     """`MemoryLimitUnknownError`'s text."""
     start = (
@@ -250,7 +262,7 @@ def too_large(
     """
     if accumulation is not None and limit:
         in_use, accumulators = accumulation
-        if in_use is not None and accumulators and limit - in_use - accumulators < accumulators:
+        if not accumulation_fits(in_use, accumulators, limit):
             return (
                 f"Accumulating gradients does not fit in device memory: "
                 f"{_mib(in_use)} was in use before the batch (weights, optimizer "

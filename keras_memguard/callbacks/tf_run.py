@@ -115,7 +115,8 @@ class TfTrainingRun:
             guard._started = True
         options = dict(
             micro_batches=guard.micro_batches,
-            mode=guard.mode,
+            # "auto" accumulates until the accumulators do not fit.
+            mode="accumulate" if guard.mode == "auto" else guard.mode,
             on_out_of_memory=self.on_out_of_memory,
         )
         if self.multi_worker:
@@ -219,6 +220,22 @@ class TfTrainingRun:
             )
         ):
             k = controller.plan(batch_size, sample_size, before)
+        if self._may_stop_accumulating():
+            why = None
+            if not self._accumulation_fits(before):
+                why = (
+                    f"{messages.mib_text(before)} is in use before the batch and the "
+                    "accumulators leave less room than a micro-batch's gradients take"
+                )
+            elif k >= batch_size and not controller.one_sample_fits(
+                batch_size, sample_size, before
+            ):
+                why = (
+                    "one sample per micro-batch is predicted not to fit a batch of "
+                    f"{batch_size} beside the accumulators"
+                )
+            if why is not None and self._stop_accumulating(why):
+                k = controller.plan(batch_size, sample_size, before)
         return self._apply(k)
 
     def _apply(self, k):
@@ -248,12 +265,12 @@ class TfTrainingRun:
         ):
             planned = None
         if planned is None:
-            mode, rung = self.function.mode, remat.is_on(model)
+            rung = remat.is_on(model)
 
             def analyse(count):
                 return cached_function(
                     model,
-                    ("xla_memory", count, mode, rung, shapes),
+                    ("xla_memory", count, self.function.mode, rung, shapes),
                     lambda: xla_memory.step_memory(
                         self.function.step_for(count), data, count
                     ),
@@ -273,19 +290,24 @@ class TfTrainingRun:
                     min_micro_batches=min(lowest, batch_size),
                     max_micro_batches=guard.config.max_micro_batches,
                 )
-                if not planned.fits:
-                    raise oom_report.compiled_step_too_large(
-                        guard, planned, batch_size, before
-                    )
-                if xla_memory.allocates(planned.memory):
+                if planned.fits and xla_memory.allocates(planned.memory):
                     break
-                # No free block holds the step's largest buffer: a count
-                # that halves it, at least.
-                if planned.micro_batches >= batch_size:
+                if planned.fits and planned.micro_batches < batch_size:
+                    # No free block holds the step's largest buffer: a
+                    # count that halves it, at least.
+                    lowest = 2 * planned.micro_batches
+                    continue
+                if not (
+                    self._may_stop_accumulating()
+                    and self._stop_accumulating(
+                        f"no micro-batch count of the compiled step fits a batch of "
+                        f"{batch_size} beside the accumulators"
+                    )
+                ):
                     raise oom_report.compiled_step_too_large(
                         guard, planned, batch_size, before
                     )
-                lowest = 2 * planned.micro_batches
+                lowest = 1 if guard.plan else k
             self._compiled_plans[shapes] = planned
             if planned.micro_batches != self.function.micro_batches:
                 messages.log_plan(planned, batch_size)
@@ -435,6 +457,31 @@ class TfTrainingRun:
             oom_report.report(guard, explanation._replace(replayed_with=micro_batches))
             guard._save_state()
             return micro_batches
+        if (
+            (
+                decided.cannot_split
+                in (decider.CANNOT_SPLIT_BATCH_SIZE, decider.CANNOT_SPLIT_ALLOCATION)
+                or not self._accumulation_fits(self._before)
+            )
+            and self._may_stop_accumulating()
+            and self._stop_accumulating(
+                f"batch {batch_size} ran out of memory at "
+                f"{messages.micro_batches_text(micro_batches)} beside the accumulators"
+            )
+        ):
+            # The step without accumulators starts from a fresh plan (or,
+            # reacting, from the count that failed: it only gets cheaper).
+            new_k = micro_batches
+            if guard.plan and function.last_sample_size:
+                new_k = guard.controller.plan(
+                    replica_batch_size, function.last_sample_size, self._before
+                )
+            guard.controller.count_replay()
+            guard.controller.set_micro_batches(new_k)
+            oom_report.report(guard, explanation._replace(replayed_with=new_k))
+            self.apply(new_k)
+            guard._save_state()
+            return new_k
         if decided.cannot_split:
             oom_report.report(guard, explanation)
             raise oom_report.cannot_split_error(
@@ -445,7 +492,7 @@ class TfTrainingRun:
                 remat_refusal=remat.can_remat(self.model),
                 accumulation=(
                     (self._before, gradient_bytes(self.model))
-                    if guard.mode == "accumulate"
+                    if function.mode == "accumulate"
                     else None
                 ),
             ) from error
@@ -503,14 +550,45 @@ class TfTrainingRun:
             return False
         segments = remat.switch_on(model)
         messages.log_rung(rung, why, segments, remat.SEGMENT_LAYERS)
+        self._plan_anew()
+        return True
+
+    def _may_stop_accumulating(self):
+        """Whether `mode="auto"` may still switch accumulation off."""
+        return (
+            self.guard.mode == "auto"
+            and self.function.mode == "accumulate"
+            and not self.multi_worker
+        )
+
+    def _accumulation_fits(self, in_use):
+        controller = self.guard.controller
+        # The decider's fixed bytes are the trainable weights' (`start`).
+        return decider.accumulation_fits(
+            in_use, controller.state.fixed_bytes, controller.limit_bytes
+        )
+
+    def _stop_accumulating(self, why):
+        """`mode="auto"`: each micro-batch its own update from now on; whether it switched."""
+        messages.log_accumulation_off(why, gradient_bytes(self.model))
+        self.function.mode = "shrink"
+        self._compiled_plans.clear()
+        self._plan_anew()
+        self.apply(self.function.micro_batches)
+        return True
+
+    def _plan_anew(self):
+        """The step changed (a rung, accumulation off): the memory model starts over.
+
+        What was learned holds for the step as it was: it is kept in the
+        plan cache (a next run changes the step again before its first
+        batch), and this run's later figures are not cached under it.
+        """
+        guard = self.guard
         if guard.plan:
-            # What was learned holds for the step without the rung: kept
-            # in the cache (a next run climbs before its first batch), and
-            # the model starts over for the step with it.
             guard._save_plan()
             guard.controller.plan_key = None
             guard.controller.restart_model()
-        return True
 
     # Helpers.
 
@@ -520,7 +598,8 @@ class TfTrainingRun:
             self.function.micro_batches = micro_batches
         if isinstance(self.model, MemGuardMixin):
             self.model.micro_batches = micro_batches
-        if self.guard.mode == "shrink" and self.guard.scale_learning_rate:
+        shrinking = self.function is not None and self.function.mode == "shrink"
+        if shrinking and self.guard.scale_learning_rate:
             self._scale_learning_rate(micro_batches)
 
     def _scale_learning_rate(self, micro_batches):

@@ -4,9 +4,10 @@ A wide MLP (two 2048x2048 `Dense` layers: 32 MiB of weights, 64 MiB of
 Adam slots) on numpy inputs, `fit(batch_size=16)` under `MemoryGuard`.
 Plain training at that batch holds one copy of the gradients beside them;
 accumulating holds a second (the accumulators), which this cap does not
-leave room for at any micro-batch count. Argument: the guard's `mode`.
-Reports through `emit_result`: the error raised, if any, and the batches
-that ended.
+leave room for at any micro-batch count. Arguments: the guard's `mode`,
+and `xla` to compile the step with XLA. Reports through `emit_result`: the
+error raised, if any, the batches that ended, the recoveries and the
+package's log lines.
 """
 
 import sys
@@ -19,7 +20,7 @@ from keras_memguard.testing import emit_result
 from programs.common import collect_package_messages
 
 
-def wide_mlp():
+def wide_mlp(jit_compile=False):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((2048,)),
@@ -27,7 +28,11 @@ def wide_mlp():
         keras.layers.Dense(2048, activation="relu"),
         keras.layers.Dense(10),
     ])
-    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        "adam",
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=jit_compile,
+    )
     return model
 
 
@@ -37,7 +42,7 @@ def main():
     rng = np.random.default_rng(0)
     x = rng.random((64, 2048), dtype="float32")
     y = rng.integers(0, 10, 64)
-    model = wide_mlp()
+    model = wide_mlp(jit_compile=sys.argv[2:] == ["xla"])
     guard = keras_memguard.MemoryGuard(mode=mode, plan_cache=False)
     error = None
     batches = []
@@ -50,6 +55,7 @@ def main():
         "error": error,
         "batches": len(batches),
         "micro_batches": guard.micro_batches,
+        "oom_recoveries": guard.oom_recoveries,
         "messages": list(messages),
     })
 
