@@ -7,15 +7,16 @@ the cap reserved as one region; `--xla on` compiles the step with XLA, as
 
 1. `plain`: plain `fit` under an 8 GiB cap; the largest step peak sets the
    cap of the rest, `--share` (0.55) of it.
-2. `guard`: `fit` with `MemoryGuard()` under that cap, three runs: from an
-   empty plan cache (a fresh `$KERAS_HOME`), again from the cache it left,
-   and from another empty cache with the CPU shared by two busy
-   processes. Reported: out-of-memory errors, crashes (the process did not
+2. `guard`: `fit` with `MemoryGuard()` under that cap for `GUARD_EPOCHS`
+   epochs, three runs: from an empty plan cache (a fresh `$KERAS_HOME`),
+   again from the cache it left, and from another empty cache with the CPU
+   shared by two busy processes. Reported: out-of-memory errors, crashes (the process did not
    end cleanly or `fit` raised), whether every batch of every run ended,
    and the micro-batch size each settled on.
 3. `fixed`: the best fixed count: from the first run's settled count down,
-   `MemoryGuard(plan=False, micro_batches=k, cooldown=10**9)` until a count
-   runs out of memory or peaks above the guard's threshold (90%); the
+   `MemoryGuard(plan=False, micro_batches=k, cooldown=10**9)` for
+   `FIXED_EPOCHS` epochs until a count runs out of memory or a batch peaks
+   above the guard's threshold (90%); the
    smallest count that ran clean under it is the best. Reported:
    settled micro-batch / best micro-batch, first run and cached.
 4. `finder`: `find_batch_size` on the same numpy input, then plain `fit`
@@ -46,6 +47,12 @@ sys.path.insert(0, os.path.dirname(HERE))
 MIB = 1 << 20
 THRESHOLD = 0.9  # MemoryGuard's default
 STEPS = 4  # batches per fit
+# Epochs of a fixed-count run: a step's peak varies from batch to batch
+# (the executor's op order), and a count is clean only if every batch is.
+FIXED_EPOCHS = 4
+# Epochs of a guard run: the count it settles on after a few spikes, as a
+# real run's many batches would show it.
+GUARD_EPOCHS = 3
 PARTS = ("plain", "guard", "fixed", "finder")
 # name: batch size
 MODELS = {
@@ -169,7 +176,10 @@ def child(spec):
     callbacks = [Peaks(), Counts()] + ([keras_memguard.MemoryMonitor(), guard] if guard else [])
     start = time.perf_counter()
     try:
-        history = model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=callbacks)
+        history = model.fit(
+            x, y, batch_size=batch, epochs=spec.get("epochs", 1), verbose=0,
+            callbacks=callbacks,
+        )
     except tf.errors.ResourceExhaustedError:
         return {"trained": False, "seconds": time.perf_counter() - start}
     except Exception as error:  # reported as a user would see it
@@ -234,15 +244,16 @@ def measure(name, xla, parts, share, report):
     row["cap_mib"] = cap
     if "guard" in parts:
         home = tempfile.mkdtemp(prefix="memguard-unseen-")
+        guarded = {**base, "run": "guard", "epochs": GUARD_EPOCHS}
         runs = [
-            run_child({**base, "run": "guard"}, cap, keras_home=home),
-            run_child({**base, "run": "guard"}, cap, keras_home=home),
-            run_child({**base, "run": "guard"}, cap, busy=True),
+            run_child(guarded, cap, keras_home=home),
+            run_child(guarded, cap, keras_home=home),
+            run_child(guarded, cap, busy=True),
         ]
         row["guard"] = runs
         row["errors"] = sum(r.get("ooms", 0) for r in runs)
         row["crashes"] = sum(1 for r in runs if "crash" in r or "error" in r)
-        row["all_batches"] = all(r.get("batches") == STEPS for r in runs)
+        row["all_batches"] = all(r.get("batches") == STEPS * GUARD_EPOCHS for r in runs)
         row["settled"] = [settled(r, batch) for r in runs]
         first, _, shared = row["settled"]
         if first and shared:
@@ -251,7 +262,7 @@ def measure(name, xla, parts, share, report):
         k = max(1, math.ceil(batch / row["settled"][0]))
         best = None
         while k >= 1:
-            fixed = run_child({**base, "run": "fixed", "k": k}, cap)
+            fixed = run_child({**base, "run": "fixed", "k": k, "epochs": FIXED_EPOCHS}, cap)
             clean = (
                 fixed.get("trained") and fixed.get("ooms") == 0
                 and fixed.get("peak_mib") is not None
