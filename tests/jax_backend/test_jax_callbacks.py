@@ -290,6 +290,21 @@ def test_options_the_jax_backend_lacks_are_refused_at_fit_start(options, named):
         np.testing.assert_array_equal(got, want)
 
 
+def test_auto_mode_accumulates_on_the_jax_backend():
+    # Without "shrink" there is nothing to switch to: "auto" trains as the
+    # default does, to the same weights.
+    x, y = mlp_data()
+    trained = []
+    for mode in ("accumulate", "auto"):
+        keras.utils.set_random_seed(0)
+        model = make_mlp()
+        guard = keras_memguard.MemoryGuard(memory_limit=1 << 40, mode=mode, plan_cache=False)
+        model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[guard])
+        trained.append(model.get_weights())
+    for got, want in zip(*trained):
+        np.testing.assert_array_equal(got, want)
+
+
 def wide_cnn():
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
