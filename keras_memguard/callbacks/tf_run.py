@@ -311,6 +311,10 @@ class TfTrainingRun:
             self._compiled_plans[shapes] = planned
             if planned.micro_batches != self.function.micro_batches:
                 messages.log_plan(planned, batch_size)
+            # The probes' blocks (a failed one reaches the limit) are not
+            # the step's: its peak, and what it takes beyond the analysis,
+            # are read from here.
+            guard._reader.read(guard, None)
         self._compiled_plan = planned
         if controller.state.micro_batches != planned.micro_batches:
             controller.set_micro_batches(planned.micro_batches)

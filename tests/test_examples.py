@@ -1,0 +1,71 @@
+"""The TensorFlow examples run as the README tells users to run them.
+
+Each runs as `python examples/<name>.py` in a process of its own (the
+examples cap TensorFlow's allocator before importing it), from an empty
+plan cache, and must end cleanly having trained every batch under the
+guard. (`tests/jax_backend/test_jax_example.py` runs the JAX example.)
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+
+def _run(name, tmp_path, *args):
+    env = dict(os.environ, KERAS_HOME=str(tmp_path / "keras_home"))
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{name}.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-4000:]
+    return run.stdout
+
+
+def _recoveries(output):
+    found = re.search(r"batches replayed after running out of memory: (\d+)", output)
+    assert found, output[-3000:]
+    return int(found.group(1))
+
+
+@pytest.mark.slow
+def test_the_quickstart_runs_out_of_memory_plainly_and_trains_every_batch_guarded(tmp_path):
+    output = _run("quickstart", tmp_path, "--log-dir", str(tmp_path / "logs"), "--epochs", "1")
+    assert "1. Plain fit at batch 256 under a 600 MiB cap\n   ran out of memory" in output, output
+    assert "every batch trained (768 samples per epoch)" in output, output
+    # Planned before each batch: no error to recover from.
+    assert "out-of-memory recoveries: 0" in output, output
+    assert f"keras-memguard report {tmp_path / 'logs'}" in output
+
+
+@pytest.mark.slow
+def test_the_plain_model_example_trains_and_saves_a_plain_model(tmp_path):
+    output = _run("guard_plain_model", tmp_path, "--log-dir", str(tmp_path / "logs"))
+    assert _recoveries(output) == 0, output
+    assert "saved as a plain Sequential" in output, output
+
+
+@pytest.mark.slow
+def test_the_mixin_example_trains_with_its_own_train_step(tmp_path):
+    output = _run("guard_mixin_model", tmp_path, "--log-dir", str(tmp_path / "logs"))
+    assert _recoveries(output) == 0, output
+    assert int(re.search(r"model.micro_batches = (\d+)", output).group(1)) >= 2, output
+
+
+@pytest.mark.slow
+def test_the_vae_example_with_its_own_train_step_trains_every_batch(tmp_path):
+    output = _run("vae", tmp_path, "--epochs", "1")
+    assert "ran out of memory under the 160 MiB cap" in output, output
+    assert _recoveries(output) <= 1, output
+    losses = re.search(r"total_loss: ([0-9.]+)", output)
+    assert losses and float(losses.group(1)) > 0, output
