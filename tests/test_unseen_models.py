@@ -14,7 +14,7 @@ from keras_memguard.testing import run_with_memory_cap
 pytestmark = pytest.mark.slow
 
 
-def _run(memory_limit_mib, *args):
+def _run(memory_limit_mib, *args, as_gpu=False):
     import programs
 
     run = run_with_memory_cap(
@@ -22,6 +22,7 @@ def _run(memory_limit_mib, *args):
         memory_limit_mib=memory_limit_mib,
         timeout=400,
         check=False,
+        as_gpu=as_gpu,
     )
     # A crash (a signal, an abort) is a negative status and no result.
     assert run.returncode == 0, run.stderr[-3000:]
@@ -64,6 +65,21 @@ def test_an_xla_step_is_planned_from_its_compiled_program_with_no_error():
     # rise where more is in use before a batch (Keras 3.8's numpy input
     # holds 109 MiB more from the second batch on here: 3, then 8).
     assert all(k > 1 for k in result["ks"]), result
+
+
+def test_a_decoder_compiled_as_on_a_gpu_is_split_no_more_than_its_free_blocks_need():
+    # As on a GPU (the cap one region, `jit_compile="auto"` resolving to
+    # XLA). At 6 micro-batches the program fits in total but needs a 74.5
+    # MiB block the allocator does not have; the search went to 12 (3
+    # samples a micro-batch) and the failed probe, counted as the first
+    # batch's peak, taught a margin that pushed later batches higher. Counts
+    # between 6 and 12 pass the probe.
+    result = _run(103, "decoder", as_gpu=True)
+    _trained_every_batch(result)
+    assert result["jit_compile"] is True, result
+    assert result["oom_recoveries"] == 0, result
+    assert max(result["ks"]) <= 9, result
+    assert len(set(result["ks"])) == 1, result
 
 
 def test_an_xla_evaluate_that_runs_out_of_memory_stops_with_a_clear_error():

@@ -278,36 +278,7 @@ class TfTrainingRun:
 
             if analyse(k) is None:
                 return k
-            lowest = 1 if guard.plan else k
-            while True:
-                planned = plan_micro_batches(
-                    analyse,
-                    batch_size,
-                    limit,
-                    threshold=guard.config.threshold,
-                    in_use_bytes=before,
-                    margin_bytes=self._xla_margin,
-                    min_micro_batches=min(lowest, batch_size),
-                    max_micro_batches=guard.config.max_micro_batches,
-                )
-                if planned.fits and xla_memory.allocates(planned.memory):
-                    break
-                if planned.fits and planned.micro_batches < batch_size:
-                    # No free block holds the step's largest buffer: a
-                    # count that halves it, at least.
-                    lowest = 2 * planned.micro_batches
-                    continue
-                if not (
-                    self._may_stop_accumulating()
-                    and self._stop_accumulating(
-                        f"no micro-batch count of the compiled step fits a batch of "
-                        f"{batch_size} beside the accumulators"
-                    )
-                ):
-                    raise oom_report.compiled_step_too_large(
-                        guard, planned, batch_size, before
-                    )
-                lowest = 1 if guard.plan else k
+            planned = self._search_compiled(analyse, k, batch_size, before)
             self._compiled_plans[shapes] = planned
             if planned.micro_batches != self.function.micro_batches:
                 messages.log_plan(planned, batch_size)
@@ -319,6 +290,62 @@ class TfTrainingRun:
         if controller.state.micro_batches != planned.micro_batches:
             controller.set_micro_batches(planned.micro_batches)
         return planned.micro_batches
+
+    def _search_compiled(self, analyse, k, batch_size, before):
+        """The smallest count whose program fits and whose blocks are free now.
+
+        XLA allocates the step's buffers in large pieces: a count can fit
+        in total and still find no free block for its largest buffer (the
+        allocator is fragmented), which the probe (`xla_memory.allocates`)
+        tells before the step runs. After a count fails the probe, counts
+        from twice it on are tried until one passes; then halfway between
+        the largest that failed and the smallest that passed, while that
+        saves more than an eighth of the micro-batches (each count read is
+        one compile, once per batch shapes). Where no count fits, `"auto"`
+        stops accumulating and the search starts again; otherwise
+        `MicroBatchTooLargeError` is raised.
+        """
+        guard = self.guard
+        lowest = 1 if guard.plan else k
+        failed, found = 0, None
+        while True:
+            planned = plan_micro_batches(
+                analyse,
+                batch_size,
+                self.guard.controller.limit_bytes,
+                threshold=guard.config.threshold,
+                in_use_bytes=before,
+                margin_bytes=self._xla_margin,
+                min_micro_batches=min(lowest, batch_size),
+                max_micro_batches=guard.config.max_micro_batches,
+            )
+            if planned.fits and (found is None or planned.micro_batches < found.micro_batches):
+                if xla_memory.allocates(planned.memory):
+                    found = planned
+                else:
+                    failed = max(failed, planned.micro_batches)
+            elif found is not None:
+                return found  # nothing between fits
+            if found is not None:
+                gap = found.micro_batches - failed
+                if gap <= max(1, found.micro_batches // 8):
+                    return found
+                lowest = failed + gap // 2
+                continue
+            if planned.fits and planned.micro_batches < batch_size:
+                # No free block holds the step's largest buffer: a count
+                # that halves it, at least.
+                lowest = 2 * planned.micro_batches
+                continue
+            if not (
+                self._may_stop_accumulating()
+                and self._stop_accumulating(
+                    f"no micro-batch count of the compiled step fits a batch of "
+                    f"{batch_size} beside the accumulators"
+                )
+            ):
+                raise oom_report.compiled_step_too_large(guard, planned, batch_size, before)
+            lowest, failed = (1 if guard.plan else k), 0
 
     def _contribute(self, logs):
         """Observes after each train function call; adds the count to `logs`.
