@@ -306,8 +306,9 @@ class TfTrainingRun:
         `MicroBatchTooLargeError` is raised.
         """
         guard = self.guard
-        lowest = 1 if guard.plan else k
-        failed, found = 0, None
+        start = 1 if guard.plan else k
+        # The largest count that failed the probe, the smallest that passed.
+        lowest, failed, found = start, None, None
         while True:
             planned = plan_micro_batches(
                 analyse,
@@ -323,10 +324,12 @@ class TfTrainingRun:
                 if xla_memory.allocates(planned.memory):
                     found = planned
                 else:
-                    failed = max(failed, planned.micro_batches)
+                    failed = max(failed or 0, planned.micro_batches)
             elif found is not None:
                 return found  # nothing between fits
             if found is not None:
+                if failed is None:
+                    return found
                 gap = found.micro_batches - failed
                 if gap <= max(1, found.micro_batches // 8):
                     return found
@@ -345,7 +348,7 @@ class TfTrainingRun:
                 )
             ):
                 raise oom_report.compiled_step_too_large(guard, planned, batch_size, before)
-            lowest, failed = (1 if guard.plan else k), 0
+            lowest, failed = start, None
 
     def _contribute(self, logs):
         """Observes after each train function call; adds the count to `logs`.
