@@ -87,7 +87,7 @@ def child(spec):
     import tensorflow as tf
 
     from keras_memguard.batch_size_finder import find_batch_size
-    from keras_memguard.probes import region
+    from keras_memguard.backends.tensorflow import region
     from keras_memguard.testing import emit_result
 
     model, x, y = build(spec["model"])

@@ -266,7 +266,7 @@ def child_trial(config):
 
     variant = config["variant"]
     if config.get("reserve"):
-        from keras_memguard.probes import region
+        from keras_memguard.backends.tensorflow import region
 
         result["reserved_mib"] = (
             region.reserve_region("CPU:0", config["cap_mib"] * MIB) / MIB
@@ -382,7 +382,7 @@ def child_guard_rung(config):
     import keras
 
     import keras_memguard
-    from keras_memguard.training import remat
+    from keras_memguard.backends.tensorflow import remat
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential(

@@ -379,8 +379,8 @@ def child_peaks(task, tf):
 def child_recovery(task, tf):
     """Part 3: one guarded epoch under the cap, starting at `start_k`."""
     from keras_memguard import MemoryGuard
-    from keras_memguard.callbacks.tf_run import TfTrainingRun
-    from keras_memguard.training.step import step_function
+    from keras_memguard.backends.tensorflow.run import TfTrainingRun
+    from keras_memguard.backends.tensorflow.step import step_function
 
     kind, batch = "design_cnn", task["batch"]
     model = build_model(kind)
@@ -532,7 +532,7 @@ def part_throughput(kind, batch, ks, samples, rounds, report):
             cpus[name].append(cpu)
 
     # The guard's compiled steps: one per k, none other.
-    from keras_memguard.training.step import _CACHE_ATTR
+    from keras_memguard.backends.tensorflow.step import _CACHE_ATTR
 
     for name, (model, _, guard, k) in variants.items():
         if guard is not None:

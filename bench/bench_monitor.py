@@ -68,9 +68,9 @@ from keras_memguard.callbacks import logs_carrier  # noqa: E402
 from keras_memguard.callbacks.guard import MemoryGuard  # noqa: E402
 from keras_memguard.callbacks.monitor import MemoryMonitor  # noqa: E402
 from keras_memguard.callbacks.sampling import shared_reader  # noqa: E402
-from keras_memguard.callbacks.tf_run import TfTrainingRun  # noqa: E402
+from keras_memguard.backends.tensorflow.run import TfTrainingRun  # noqa: E402
 from keras_memguard.probes.host import HostMemoryProbe  # noqa: E402
-from keras_memguard.probes.tf_allocator import AllocatorProbe  # noqa: E402
+from keras_memguard.backends.tensorflow.probe import AllocatorProbe  # noqa: E402
 
 BATCH = 256
 STEPS = 100

@@ -104,7 +104,7 @@ def reserve(cap_mib):
     """Reserves the rest of the cap in one region, as the planning guard does."""
     import tensorflow as tf
 
-    from keras_memguard.probes import region
+    from keras_memguard.backends.tensorflow import region
 
     reserved = region.reserve_region("CPU:0", cap_mib * MIB)
     # The region's one allocation must not count as training's peak.

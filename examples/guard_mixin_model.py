@@ -29,7 +29,7 @@ def main():
     import tensorflow as tf
 
     import keras_memguard
-    from keras_memguard.training import accumulate_gradients
+    from keras_memguard.backends.tensorflow import accumulate_gradients
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 

@@ -1,7 +1,7 @@
 """keras_memguard: keep Keras training alive when GPU memory runs short.
 
 Callbacks (`MemoryMonitor`, `MemoryGuard`) and a `train_step` mixin
-(`MemGuardMixin`) for Keras 3 on the TensorFlow and JAX backends.
+(`MemGuardMixin`) for Keras 3 on the TensorFlow, JAX and PyTorch backends.
 
 Public names are loaded on first use, so that `keras_memguard.testing` can
 set TensorFlow's environment before TensorFlow is imported.
@@ -12,14 +12,14 @@ import importlib
 __version__ = "0.1.0.dev0"
 
 _EXPORTS = {
-    "AllocatorProbe": "keras_memguard.probes.tf_allocator",
+    "AllocatorProbe": "keras_memguard.backends.tensorflow.probe",
     "AllocatorSample": "keras_memguard.probes.base",
     "BatchSizeResult": "keras_memguard.batch_size_finder",
     "CompiledStepOutOfMemoryError": "keras_memguard.errors",
     "DevicesAlreadyInitializedError": "keras_memguard.errors",
     "DistributedOutOfMemoryError": "keras_memguard.errors",
     "MemGuardError": "keras_memguard.errors",
-    "MemGuardMixin": "keras_memguard.training.mixin",
+    "MemGuardMixin": "keras_memguard.backends",
     "MemoryGuard": "keras_memguard.callbacks.guard",
     "MemoryLimitUnknownError": "keras_memguard.errors",
     "MemoryMonitor": "keras_memguard.callbacks.monitor",
@@ -32,13 +32,13 @@ _EXPORTS = {
     "configure_devices": "keras_memguard.devices",
     "configured_memory_limits": "keras_memguard.devices",
     "find_batch_size": "keras_memguard.batch_size_finder",
-    "prepare_multi_worker": "keras_memguard.training.multi_worker",
+    "prepare_multi_worker": "keras_memguard.backends.tensorflow.multi_worker",
 }
 
-# Names whose implementation depends on Keras' backend, as Keras picks its
-# trainer: the module on that backend, where it is not `_EXPORTS`'.
+# Names whose implementation depends on Keras' backend: each backend's own,
+# from the backend chosen once (`keras_memguard.backends.current()`).
 _BACKEND_EXPORTS = {
-    ("jax", "MemGuardMixin"): "keras_memguard.jax_training.mixin",
+    "MemGuardMixin": lambda protocol: protocol.mixin_class(),
 }
 
 __all__ = sorted(_EXPORTS)
@@ -46,13 +46,14 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name):
     module = _EXPORTS.get(name)
-    if any(key[1] == name for key in _BACKEND_EXPORTS):
-        import keras
-
-        module = _BACKEND_EXPORTS.get((keras.backend.backend(), name), module)
     if module is None:
         raise AttributeError(f"module 'keras_memguard' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    if name in _BACKEND_EXPORTS:
+        from keras_memguard import backends
+
+        value = _BACKEND_EXPORTS[name](backends.current())
+    else:
+        value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

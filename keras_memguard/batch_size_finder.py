@@ -58,13 +58,13 @@ from keras_memguard import oom_explanation
 from keras_memguard.callbacks.sampling import resolve_limits
 from keras_memguard.errors import MemoryLimitUnknownError
 from keras_memguard.errors import MicroBatchTooLargeError
-from keras_memguard.probes import region
-from keras_memguard.probes.tf_allocator import AllocatorProbe
-from keras_memguard.training.replay import sample_size_of
-from keras_memguard.training import compat
-from keras_memguard.training import xla_memory
-from keras_memguard.training.setup import gradient_bytes
-from keras_memguard.training.step import build_training_state
+from keras_memguard.backends.tensorflow import region
+from keras_memguard.backends.tensorflow.probe import AllocatorProbe
+from keras_memguard.backends.tensorflow.replay import sample_size_of
+from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends.tensorflow import xla_memory
+from keras_memguard.backends.tensorflow.setup import gradient_bytes
+from keras_memguard.backends.tensorflow.step import build_training_state
 
 __all__ = ["BatchSizeResult", "BatchTrial", "find_batch_size"]
 

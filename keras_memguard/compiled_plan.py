@@ -167,7 +167,7 @@ def plan_micro_batches(
     Example:
 
     ```python
-    cache = StepCache(model)  # keras_memguard.jax_training
+    cache = StepCache(model)  # keras_memguard.backends.jax
     decided = plan_micro_batches(
         lambda k: cache.memory(k, state, batch), batch_size=256,
         limit_bytes=16 * 2**30)

@@ -23,8 +23,8 @@ import warnings
 
 from keras_memguard.errors import DevicesAlreadyInitializedError
 from keras_memguard.probes.base import MIB
-from keras_memguard.probes.tf_allocator import logical_device_limits
-from keras_memguard.probes.tf_allocator import normalize_device
+from keras_memguard.backends.tensorflow.probe import logical_device_limits
+from keras_memguard.probes.base import normalize_device
 
 logger = logging.getLogger("keras_memguard")
 
@@ -310,7 +310,7 @@ def _before_initialization(setting):
 
 def _tensorflow_initialized():
     """Whether TensorFlow has initialized its devices; `None` if unknown."""
-    from keras_memguard.training import compat
+    from keras_memguard.backends.tensorflow import compat
 
     return compat.tensorflow_initialized()
 

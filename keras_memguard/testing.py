@@ -60,9 +60,9 @@ def act_as_gpu():
     ```
     """
     global _gpu_jit
-    from keras_memguard.probes import region
-    from keras_memguard.probes.tf_allocator import AllocatorProbe
-    from keras_memguard.training import compat
+    from keras_memguard.backends.tensorflow import region
+    from keras_memguard.backends.tensorflow.probe import AllocatorProbe
+    from keras_memguard.backends.tensorflow import compat
 
     probe = AllocatorProbe()
     if probe.mode != "bfc":

@@ -10,8 +10,14 @@ import os
 
 SUITE_MEMORY_LIMIT_MIB = 8192
 
-# The JAX backend's tests run in a process of their own (KERAS_BACKEND=jax).
-collect_ignore = [] if os.environ.get("KERAS_BACKEND") == "jax" else ["jax_backend"]
+# The JAX and PyTorch backends' tests run in a process of their own
+# (KERAS_BACKEND=jax or torch): each run collects its own folder only.
+_BACKEND_FOLDERS = {"jax": "jax_backend", "torch": "torch_backend"}
+collect_ignore = [
+    folder
+    for backend, folder in _BACKEND_FOLDERS.items()
+    if os.environ.get("KERAS_BACKEND") != backend
+]
 
 os.environ.update(
     {

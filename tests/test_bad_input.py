@@ -20,7 +20,7 @@ import tensorflow as tf
 
 import keras_memguard
 from helpers import SampleCount
-from keras_memguard.training.eval_replay import ReplayTestFunction
+from keras_memguard.backends.tensorflow.eval_replay import ReplayTestFunction
 from tensorboard.backend.event_processing import event_accumulator
 
 MIB = 1024 * 1024

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import keras_memguard
 from keras_memguard import devices
-from keras_memguard.probes.tf_allocator import AllocatorProbe
+from keras_memguard.backends.tensorflow.probe import AllocatorProbe
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB

@@ -29,7 +29,7 @@ import keras
 import keras_memguard
 from keras_memguard.testing import RESULT_MARKER
 from keras_memguard.testing import memory_cap_env
-from keras_memguard.training.eval_replay import ReplayTestFunction
+from keras_memguard.backends.tensorflow.eval_replay import ReplayTestFunction
 from programs import faults_model
 import programs
 

@@ -13,10 +13,10 @@ import keras_memguard
 from helpers import SampleCount
 from keras_memguard import decider
 from keras_memguard import oom_explanation
-from keras_memguard.callbacks import tf_run
+from keras_memguard.backends.tensorflow import run as tf_run
 from keras_memguard.callbacks.sampling import shared_reader
 from keras_memguard.testing import run_with_memory_cap
-from keras_memguard.training.replay import ReplayTrainFunction
+from keras_memguard.backends.tensorflow.replay import ReplayTrainFunction
 import programs
 from programs.common import design_cnn
 from tensorboard.backend.event_processing import event_accumulator

@@ -5,7 +5,7 @@ import keras
 import pytest
 
 import keras_memguard
-from keras_memguard.training import predict_replay
+from keras_memguard.backends.tensorflow import predict_replay
 
 
 def two_output_model():

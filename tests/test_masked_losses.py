@@ -12,7 +12,7 @@ import pytest
 
 import keras
 
-from keras_memguard.training.mixin import MemGuardMixin
+from keras_memguard.backends.tensorflow.mixin import MemGuardMixin
 
 VOCABULARY, TOKENS = 40, 12
 BATCH = 24

@@ -15,12 +15,12 @@ import keras
 import tensorflow as tf
 
 from keras_memguard.testing import run_with_memory_cap
-from keras_memguard.training import accumulate_gradients
-from keras_memguard.training import has_batch_statistics_layers
-from keras_memguard.training import make_step_function
-from keras_memguard.training import split_micro_batches
-from keras_memguard.training import replay
-from keras_memguard.training.mixin import MemGuardMixin
+from keras_memguard.backends.tensorflow import accumulate_gradients
+from keras_memguard.backends.tensorflow import has_batch_statistics_layers
+from keras_memguard.backends.tensorflow import make_step_function
+from keras_memguard.backends.tensorflow import split_micro_batches
+from keras_memguard.backends.tensorflow import replay
+from keras_memguard.backends.tensorflow.mixin import MemGuardMixin
 import programs
 
 # 203 samples in batches of 50: 4 full batches (50 is divisible by none of

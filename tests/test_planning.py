@@ -25,8 +25,8 @@ import keras_memguard
 from helpers import SampleCount
 from keras_memguard import plan_cache
 from keras_memguard import decider
-from keras_memguard.training.step import step_function
-from keras_memguard.training.step import tracing_count
+from keras_memguard.backends.tensorflow.step import step_function
+from keras_memguard.backends.tensorflow.step import tracing_count
 
 MIB = 1024 * 1024
 BATCH = 64

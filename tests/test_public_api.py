@@ -79,7 +79,7 @@ TRAINING_API = [
 
 
 def test_training_all_is_pinned_and_documented():
-    import keras_memguard.training as training
+    import keras_memguard.backends.tensorflow as training
 
     assert training.__all__ == TRAINING_API
     for name in training.__all__:

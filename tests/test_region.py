@@ -9,7 +9,7 @@ its argument.
 import pytest
 
 import keras_memguard
-from keras_memguard.probes import region
+from keras_memguard.backends.tensorflow import region
 
 MIB = 1024 * 1024
 

@@ -10,8 +10,8 @@ import pytest
 import keras
 
 import keras_memguard
-from keras_memguard.training import remat
-from keras_memguard.training import step
+from keras_memguard.backends.tensorflow import remat
+from keras_memguard.backends.tensorflow import step
 
 
 def convs(count=7, **kwargs):

@@ -6,11 +6,11 @@ import pytest
 import tensorflow as tf
 
 from keras_memguard.compiled_plan import StepMemory
-from keras_memguard.training.accumulation import accumulate_gradients
-from keras_memguard.training.step import build_training_state
-from keras_memguard.training.step import step_function
-from keras_memguard.training.xla_memory import step_memory
-from keras_memguard.training.xla_memory import uses_xla
+from keras_memguard.backends.tensorflow.accumulation import accumulate_gradients
+from keras_memguard.backends.tensorflow.step import build_training_state
+from keras_memguard.backends.tensorflow.step import step_function
+from keras_memguard.backends.tensorflow.xla_memory import step_memory
+from keras_memguard.backends.tensorflow.xla_memory import uses_xla
 
 
 def _mlp(jit_compile, metrics=None):

@@ -63,7 +63,7 @@ def part_probe():
     import jax.numpy as jnp
 
     from keras_memguard import NvmlProbe
-    from keras_memguard.probes.jax_memory import JaxMemoryProbe
+    from keras_memguard.backends.jax.probe import JaxMemoryProbe
 
     held = jnp.ones((256, _MIB), dtype=jnp.float32)  # 1 GiB
     held.block_until_ready()
@@ -100,9 +100,9 @@ def part_analysis(batch, k):
     import keras
     import numpy as np
 
-    from keras_memguard.jax_training import StepCache
-    from keras_memguard.training.compat import jax_state
-    from keras_memguard.training.compat import symbolic_build
+    from keras_memguard.backends.jax import StepCache
+    from keras_memguard.backends.tensorflow.compat import jax_state
+    from keras_memguard.backends.tensorflow.compat import symbolic_build
 
     # The CNN of the analysis table measured on the CPU (bench_jax_plan.py).
     from bench_jax_plan import cnn

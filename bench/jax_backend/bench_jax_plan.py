@@ -20,10 +20,10 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import jax  # noqa: E402
 import keras  # noqa: E402
 
-from keras_memguard.jax_training import StepCache  # noqa: E402
-from keras_memguard.training.compat import jax_state  # noqa: E402
-from keras_memguard.training.compat import symbolic_build  # noqa: E402
-from keras_memguard.jax_training.compiled import spec_of  # noqa: E402
+from keras_memguard.backends.jax import StepCache  # noqa: E402
+from keras_memguard.backends.tensorflow.compat import jax_state  # noqa: E402
+from keras_memguard.backends.tensorflow.compat import symbolic_build  # noqa: E402
+from keras_memguard.backends.jax.compiled import spec_of  # noqa: E402
 
 
 def mlp():

@@ -27,11 +27,11 @@ from keras_memguard.advice import variants  # noqa: E402
 from keras_memguard.batch_size_finder import find_batch_size  # noqa: E402
 from keras_memguard.callbacks.guard import MemoryGuard  # noqa: E402
 from keras_memguard.callbacks.monitor import MemoryMonitor  # noqa: E402
-from keras_memguard.probes.tf_allocator import AllocatorProbe  # noqa: E402
-from keras_memguard.training import functions  # noqa: E402
-from keras_memguard.training import remat  # noqa: E402
-from keras_memguard.training.setup import gradient_bytes  # noqa: E402
-from keras_memguard.training.step import step_function  # noqa: E402
+from keras_memguard.backends.tensorflow.probe import AllocatorProbe  # noqa: E402
+from keras_memguard import step_functions as functions  # noqa: E402
+from keras_memguard.backends.tensorflow import remat  # noqa: E402
+from keras_memguard.backends.tensorflow.setup import gradient_bytes  # noqa: E402
+from keras_memguard.backends.tensorflow.step import step_function  # noqa: E402
 
 _MIB = 1024 * 1024
 # The share of `threshold` the jit variant's search aims at.

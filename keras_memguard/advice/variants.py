@@ -13,8 +13,8 @@ Runs in the measuring child process (it imports Keras, so TensorFlow).
 import keras
 import numpy as np
 
-from keras_memguard.training import compat
-from keras_memguard.training import remat
+from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends.tensorflow import remat
 
 BASELINE = "float32"
 POLICIES = ("mixed_float16", "mixed_bfloat16")
@@ -213,7 +213,7 @@ def apply_variant(model, name):
         return model, (
             f"the forward pass runs in {segments} segments of up to "
             f"{remat.SEGMENT_LAYERS} layers under tf.recompute_grad "
-            "(keras_memguard.training.remat), as MemoryGuard(escalate=('remat',)) does"
+            "(keras_memguard.backends.tensorflow.remat), as MemoryGuard(escalate=('remat',)) does"
         )
     if name == JIT:
         if not supports_jit(model):

@@ -5,11 +5,11 @@ it the same numbers. Each worker's allocator reads against its own limit, so
 its memory is agreed as a fraction of that limit: the largest fraction over
 the workers, times the smallest limit, is the most constrained worker's
 bytes, and the same number on every worker. One small all-gather each
-(`keras_memguard.training.multi_worker.agree_max`); every worker must call
+(`keras_memguard.backends.tensorflow.multi_worker.agree_max`); every worker must call
 these at the same point.
 """
 
-from keras_memguard.training import multi_worker
+from keras_memguard.backends.tensorflow import multi_worker
 
 
 def agreed_limit(strategy, limits):

@@ -1,8 +1,8 @@
 """MemoryGuard: micro-batch before memory runs out, replay a batch that did.
 
 The callback is glue: Keras' hooks hand each `fit` to its backend's run
-(`tf_run.TfTrainingRun` or `jax_run.JaxTrainingRun`, picked as Keras picks
-its trainer) and each `evaluate` or `predict` to an inference run; the
+(`keras_memguard.backends.current()`, picked once as Keras picks its
+trainer) and each `evaluate` or `predict` to an inference run; the
 decisions are the controller's (`controller.py`, over the pure decider),
 the words are in `messages.py` and `oom_report.py`. The guard keeps what
 outlives one call: the controller, the step count, the writer, the reader.
@@ -10,6 +10,7 @@ outlives one call: the controller, the step count, the writer, the reader.
 
 import keras
 
+from keras_memguard import backends
 from keras_memguard.callbacks import guard_options
 from keras_memguard.callbacks import inference
 from keras_memguard.callbacks import messages
@@ -17,18 +18,7 @@ from keras_memguard.callbacks.controller import GuardController
 from keras_memguard.callbacks.sampling import resolve_limits
 from keras_memguard.callbacks.sampling import shared_reader
 from keras_memguard.errors import MemoryLimitUnknownError
-from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.sinks import tensorboard as tb
-
-# Each backend's training core, as Keras picks its trainer: the module loads
-# without TensorFlow on the JAX backend.
-BACKEND = keras.backend.backend()
-if BACKEND == "tensorflow":
-    from keras_memguard.callbacks.tf_run import TfTrainingRun
-    from keras_memguard.callbacks.tf_run import inference_run
-elif BACKEND == "jax":
-    from keras_memguard.callbacks.jax_run import JaxTrainingRun
-    from keras_memguard.callbacks.jax_run import inference_run
 
 MICRO_BATCHES_LOG_KEY = "micro_batches"
 # The scalars written per batch, in `_write_scalars`' order; the threshold
@@ -114,7 +104,7 @@ class MemoryGuard(keras.callbacks.Callback):
 
     With `escalate=("remat",)`, a batch that does not fit at one sample per
     micro-batch is run with the forward pass in recomputed segments
-    (`keras_memguard.training.remat`); `rungs_on` lists the rungs switched
+    (`keras_memguard.backends.tensorflow.remat`); `rungs_on` lists the rungs switched
     on.
 
     `k` and the counters persist across epochs and `fit` calls. To resume them
@@ -290,15 +280,10 @@ class MemoryGuard(keras.callbacks.Callback):
     # Keras' hooks: each hands over to the run of its backend.
 
     def on_train_begin(self, logs=None):
-        if BACKEND not in ("tensorflow", "jax"):
-            raise UnsupportedTrainingSetupError(messages.backend_unsupported(BACKEND))
+        backend = backends.current()
         self._limits = self._resolve_limits()
         self._load_state()
-        if BACKEND == "tensorflow":
-            self._run = TfTrainingRun(self, MICRO_BATCHES_LOG_KEY)
-        else:
-            limit = min(l for l in self._limits if l)
-            self._run = JaxTrainingRun(self, limit, MICRO_BATCHES_LOG_KEY)
+        self._run = backend.training_run(self, MICRO_BATCHES_LOG_KEY)
         self._run.begin()
         self._reader.reset()
         if self._writer is not None:
@@ -330,7 +315,7 @@ class MemoryGuard(keras.callbacks.Callback):
             self._run.after_train_batch(batch, logs)
 
     def on_test_begin(self, logs=None):
-        if self._run is not None and BACKEND == "tensorflow":
+        if self._run is not None and backends.current().VALIDATION_IN_FIT:
             self._run.begin_validation()  # `fit`'s validation
         else:
             self._begin_inference(inference.EVALUATE)
@@ -340,7 +325,7 @@ class MemoryGuard(keras.callbacks.Callback):
             self._inference.after_batch()
 
     def on_test_end(self, logs=None):
-        if self._run is not None and BACKEND == "tensorflow":
+        if self._run is not None and backends.current().VALIDATION_IN_FIT:
             self._run.end_validation()
             # Validation's peak must not count as the next training batch's.
             self._reader.reset()
@@ -360,11 +345,9 @@ class MemoryGuard(keras.callbacks.Callback):
     # `evaluate` and `predict`: planned and sliced.
 
     def _begin_inference(self, kind):
-        if BACKEND not in ("tensorflow", "jax"):
-            messages.log_inference_not_guarded(BACKEND, kind)
-            return
+        backend = backends.current()
         self._limits = self._resolve_limits()
-        self._inference = inference_run(self, kind)
+        self._inference = backend.inference_run(self, kind)
 
     def _end_inference(self):
         if self._inference is not None:
@@ -379,7 +362,9 @@ class MemoryGuard(keras.callbacks.Callback):
         probe = self._reader.probe
         limits = resolve_limits(probe, self.memory_limit)
         if not any(limits):
-            raise MemoryLimitUnknownError(messages.memory_limit_unknown(probe.devices, BACKEND))
+            raise MemoryLimitUnknownError(
+                messages.memory_limit_unknown(probe.devices, keras.backend.backend())
+            )
         return limits
 
     def _close_dumps(self):

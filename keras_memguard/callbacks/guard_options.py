@@ -2,7 +2,7 @@
 
 from keras_memguard import decider
 from keras_memguard.decider import validate_micro_batches
-from keras_memguard.probes.tf_allocator import AllocatorProbe
+from keras_memguard.backends.tensorflow.probe import AllocatorProbe
 
 MODES = ("accumulate", "auto", "shrink")
 # Opt-in rungs past one sample per micro-batch (`training/remat.py`'s RUNG).

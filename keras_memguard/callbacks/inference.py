@@ -71,8 +71,8 @@ class InferenceRun:
         )
         # TensorFlow's slicing functions, imported here: this module is
         # also loaded on the JAX backend, where no slices are cut yet.
-        from keras_memguard.training.eval_replay import ReplayTestFunction
-        from keras_memguard.training.predict_replay import ReplayPredictFunction
+        from keras_memguard.backends.tensorflow.eval_replay import ReplayTestFunction
+        from keras_memguard.backends.tensorflow.predict_replay import ReplayPredictFunction
 
         function_class = ReplayTestFunction if self.kind == EVALUATE else ReplayPredictFunction
         # Reacting too: the memory in use before each batch sizes a replay.

@@ -119,19 +119,9 @@ def log_inference_not_guarded(backend, kind):
     _NOT_GUARDED_SAID.add((backend, kind))
     logger.info(
         "%s on the %s backend runs as Keras runs it: MemoryGuard plans and "
-        "slices evaluate and predict on the TensorFlow backend only (for now)",
+        "slices evaluate and predict on the TensorFlow and JAX backends (for now)",
         kind,
         backend,
-    )
-
-
-def backend_unsupported(backend):
-    """`UnsupportedTrainingSetupError`'s text on a backend the guard lacks."""
-    return (
-        f"MemoryGuard trains on Keras' TensorFlow and JAX backends; this is "
-        f"the {backend} backend. Received: KERAS_BACKEND={backend!r}. HINT: "
-        "set KERAS_BACKEND=tensorflow or jax before importing Keras; "
-        "MemoryMonitor logs memory on any backend."
     )
 
 

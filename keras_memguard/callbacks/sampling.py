@@ -12,17 +12,16 @@ device (`strategy.extended.worker_devices`), so the callbacks see, log and
 decide on all of them. Logical devices that share one physical allocator
 (several logical CPUs on one host) all report that allocator's numbers.
 
-The probe is the backend's: TensorFlow's allocator (`AllocatorProbe`), or
-`jax.Device.memory_stats()` (`JaxMemoryProbe`) on Keras' JAX backend; both
-give the same samples.
+The probe is the backend's: TensorFlow's allocator (`AllocatorProbe`),
+`jax.Device.memory_stats()` (`JaxMemoryProbe`) on Keras' JAX backend, or
+PyTorch's CUDA allocator or the host's resident memory (`TorchMemoryProbe`)
+on its PyTorch backend; all give the same samples.
 """
 
 import weakref
 
-import keras
-
-from keras_memguard.probes.tf_allocator import AllocatorProbe
-from keras_memguard.probes.tf_allocator import normalize_device
+from keras_memguard import backends
+from keras_memguard.probes.base import normalize_device
 
 
 def backend_probe(devices=None, memory_limit=None):
@@ -33,13 +32,12 @@ def backend_probe(devices=None, memory_limit=None):
         memory_limit: As the probe takes it, or `None`.
 
     Returns:
-        A `JaxMemoryProbe` on the JAX backend, else an `AllocatorProbe`.
+        The backend's probe (`keras_memguard.backends.current().make_probe`):
+        an `AllocatorProbe` on TensorFlow, a `JaxMemoryProbe` on JAX, a
+        `TorchMemoryProbe` on PyTorch.
     """
-    if keras.backend.backend() == "jax":
-        from keras_memguard.probes.jax_memory import JaxMemoryProbe
+    return backends.current().make_probe(devices=devices, memory_limit=memory_limit)
 
-        return JaxMemoryProbe(devices=devices, memory_limit=memory_limit)
-    return AllocatorProbe(devices=devices, memory_limit=memory_limit)
 
 _readers = weakref.WeakKeyDictionary()
 

@@ -5,11 +5,15 @@ Samples are immutable and hold integer bytes; a value a probe cannot read is
 """
 
 import numbers
+import re
 import sys
 import warnings
 from typing import NamedTuple, Optional
 
 MIB = 1024 * 1024
+
+# TensorFlow's device strings, long or short: "/device:GPU:0", "GPU:0", "gpu0".
+_DEVICE_RE = re.compile(r"^(?:.*/)?(?:device:)?(cpu|gpu):?(\d+)$", re.IGNORECASE)
 
 # Frames of these top-level packages are skipped when a warning names the
 # line that caused it: the user's line is the one that called into them
@@ -17,6 +21,27 @@ MIB = 1024 * 1024
 _LIBRARY_PACKAGES = frozenset(
     ("keras_memguard", "keras", "tensorflow", "tf_keras", "optree", "tree")
 )
+
+
+def normalize_device(device):
+    """Returns the short TensorFlow form of a CPU or GPU device.
+
+    Args:
+        device: A device string such as `"GPU:0"`, `"/device:GPU:0"`,
+            `"/job:localhost/replica:0/task:0/device:CPU:1"` or `"gpu0"`, or
+            an object with such a `name` (a `tf.config.LogicalDevice`).
+
+    Returns:
+        The device as `"GPU:0"` or `"CPU:1"`, or `None` if it is not a CPU or
+        GPU device string.
+    """
+    name = getattr(device, "name", device)
+    if not isinstance(name, str):
+        return None
+    match = _DEVICE_RE.match(name.strip())
+    if match is None:
+        return None
+    return f"{match.group(1).upper()}:{int(match.group(2))}"
 
 
 def check_bytes(value, label):
@@ -43,6 +68,30 @@ def check_bytes(value, label):
             f"Received: {label}={value!r}"
         )
     return int(value)
+
+
+def check_memory_limit(memory_limit):
+    """Checks a `memory_limit` argument as every probe takes it.
+
+    Which device names a dict may hold is the probe's to check (each backend
+    names its devices); here: `None`, a positive number of bytes, or a dict
+    from device strings to one.
+
+    Raises:
+        ValueError: Naming the argument and echoing the value otherwise.
+    """
+    if memory_limit is None:
+        return
+    if not isinstance(memory_limit, dict):
+        check_bytes(memory_limit, "memory_limit")
+        return
+    for key, value in memory_limit.items():
+        if not isinstance(key, str):
+            raise ValueError(
+                "`memory_limit` keys must be device strings such as 'GPU:0'. "
+                f"Received: memory_limit={memory_limit!r}"
+            )
+        check_bytes(value, f"memory_limit[{key!r}]")
 
 
 def warn_at_user_code(message, category=UserWarning, stacklevel=2):

@@ -28,12 +28,12 @@ from xla_errors import autotuner_out_of_memory
 from keras_memguard.errors import MemoryLimitUnknownError
 from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.errors import UnsupportedTrainingSetupError
-from keras_memguard.jax_training import StepCache
-from keras_memguard.jax_training.compiled import spec_of
-from keras_memguard.jax_training.compiled import step_memory
+from keras_memguard.backends.jax import StepCache
+from keras_memguard.backends.jax.compiled import spec_of
+from keras_memguard.backends.jax.compiled import step_memory
 from keras_memguard.report.cli import make_report
-from keras_memguard.training.compat import jax_state
-from keras_memguard.training.compat import symbolic_build
+from keras_memguard.backends.tensorflow.compat import jax_state
+from keras_memguard.backends.tensorflow.compat import symbolic_build
 from tensorboard.backend.event_processing import event_accumulator
 
 BATCH = 512
@@ -331,8 +331,8 @@ def cnn_inputs(n=240):
 
 def slice_need(model, x, y, micro_batches, kind):
     """What the compiled slice step needs at a count (nothing runs)."""
-    from keras_memguard.jax_training.inference import SlicedPredictFunction
-    from keras_memguard.jax_training.inference import SlicedTestFunction
+    from keras_memguard.backends.jax.inference import SlicedPredictFunction
+    from keras_memguard.backends.jax.inference import SlicedTestFunction
 
     function = (SlicedTestFunction if kind == "evaluate" else SlicedPredictFunction)(model)
     batch = (x, y, None) if kind == "evaluate" else (x,)
@@ -369,7 +369,7 @@ def test_evaluate_and_predict_are_planned_in_slices_and_equal_a_smaller_batch(ca
 
 
 def test_a_slice_out_of_memory_is_run_again_in_smaller_slices(monkeypatch, caplog):
-    from keras_memguard.jax_training import inference
+    from keras_memguard.backends.jax import inference
 
     model = make_mlp()
     x, y = mlp_data()
@@ -398,7 +398,7 @@ def test_a_slice_out_of_memory_is_run_again_in_smaller_slices(monkeypatch, caplo
 
 
 def test_evaluate_that_cannot_be_sliced_further_keeps_the_weights(monkeypatch):
-    from keras_memguard.jax_training import inference
+    from keras_memguard.backends.jax import inference
 
     model = make_mlp()
     x, y = mlp_data()
@@ -435,7 +435,7 @@ def make_mixed():
 
 
 def test_the_mixin_micro_batches_keras_own_step_as_the_whole_batch():
-    assert keras_memguard.MemGuardMixin.__module__ == "keras_memguard.jax_training.mixin"
+    assert keras_memguard.MemGuardMixin.__module__ == "keras_memguard.backends.jax.mixin"
     x = np.random.default_rng(0).normal(size=(96, 8)).astype("float32")
     y = x[:, :2] * 2.0
     plain, model = twins(make_mixed)
@@ -482,7 +482,7 @@ class FakeGpu:
 
 def test_a_measured_peak_beyond_the_analysis_becomes_a_margin_in_later_plans(caplog):
     from keras_memguard.callbacks import sampling
-    from keras_memguard.probes.jax_memory import JaxMemoryProbe
+    from keras_memguard.backends.jax.probe import JaxMemoryProbe
 
     model = make_mlp()
     x, y = mlp_data(n=30)  # batches of 20, then 10: two shapes

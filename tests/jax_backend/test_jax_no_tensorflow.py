@@ -9,8 +9,8 @@ os.environ["KERAS_BACKEND"] = "jax"
 import numpy as np
 import keras
 import keras_memguard
-from keras_memguard.jax_training import ReplayingTrainFunction, StepCache, plan_micro_batches
-from keras_memguard.probes.jax_memory import JaxMemoryProbe
+from keras_memguard.backends.jax import ReplayingTrainFunction, StepCache, plan_micro_batches
+from keras_memguard.backends.jax.probe import JaxMemoryProbe
 from keras_memguard import decider
 
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])

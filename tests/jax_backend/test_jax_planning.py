@@ -5,14 +5,14 @@ import pytest
 
 from jax_models import make_wide_mlp
 from jax_models import wide_data
-from keras_memguard.jax_training import ReplayingTrainFunction
-from keras_memguard.jax_training import StepCache
-from keras_memguard.jax_training import excess_bytes
-from keras_memguard.jax_training import plan_micro_batches
-from keras_memguard.training.compat import jax_state
-from keras_memguard.training.compat import symbolic_build
+from keras_memguard.backends.jax import ReplayingTrainFunction
+from keras_memguard.backends.jax import StepCache
+from keras_memguard.backends.jax import excess_bytes
+from keras_memguard.backends.jax import plan_micro_batches
+from keras_memguard.backends.tensorflow.compat import jax_state
+from keras_memguard.backends.tensorflow.compat import symbolic_build
 from keras_memguard.compiled_plan import StepMemory
-from keras_memguard.jax_training.compiled import spec_of
+from keras_memguard.backends.jax.compiled import spec_of
 
 BATCH = 2048
 MIB = 2**20
@@ -133,7 +133,7 @@ def test_planning_arguments_are_checked():
 
 
 def test_excess_bytes_of_a_measured_peak():
-    from keras_memguard.jax_training import StepMemory
+    from keras_memguard.backends.jax import StepMemory
 
     memory = StepMemory(2, 100, 40, 60, 0)
     assert excess_bytes(memory, 100, 230) == 30

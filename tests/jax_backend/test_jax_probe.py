@@ -5,9 +5,9 @@ import logging
 import jax
 import pytest
 
-from keras_memguard.probes import jax_memory
+from keras_memguard.backends.jax import probe as jax_memory
 from keras_memguard.probes.base import AllocatorSample
-from keras_memguard.probes.jax_memory import JaxMemoryProbe
+from keras_memguard.backends.jax.probe import JaxMemoryProbe
 
 
 class FakeDevice:

@@ -16,11 +16,11 @@ from jax_models import max_weight_difference
 from jax_models import mlp_data
 from jax_models import twins
 from keras_memguard.errors import MicroBatchTooLargeError
-from keras_memguard.jax_training import ReplayingTrainFunction
-from keras_memguard.jax_training import StepCache
-from keras_memguard.jax_training import is_out_of_memory
-from keras_memguard.training.compat import jax_state
-from keras_memguard.jax_training.replay import failed_allocation_bytes
+from keras_memguard.backends.jax import ReplayingTrainFunction
+from keras_memguard.backends.jax import StepCache
+from keras_memguard.backends.jax import is_out_of_memory
+from keras_memguard.backends.tensorflow.compat import jax_state
+from keras_memguard.backends.jax.replay import failed_allocation_bytes
 from xla_errors import autotuner_out_of_memory
 
 RESOURCE_EXHAUSTED = 8

@@ -14,8 +14,8 @@ import keras
 from jax_models import USER_MODELS
 from jax_models import max_weight_difference
 from jax_models import twins
-from keras_memguard.jax_training import ReplayingTrainFunction
-from keras_memguard.jax_training import micro_batch_segments
+from keras_memguard.backends.jax import ReplayingTrainFunction
+from keras_memguard.backends.jax import micro_batch_segments
 
 FIT = dict(batch_size=32, epochs=2, shuffle=False, verbose=0)
 # float32 sums in another order; measured up to 5e-7 here.

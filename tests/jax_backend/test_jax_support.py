@@ -5,7 +5,7 @@ import pytest
 
 from jax_models import make_mlp
 from keras_memguard.errors import UnsupportedTrainingSetupError
-from keras_memguard.jax_training import check_supported
+from keras_memguard.backends.jax import check_supported
 
 
 def test_a_plain_model_is_supported():

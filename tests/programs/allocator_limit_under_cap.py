@@ -9,7 +9,7 @@ import warnings
 def main():
     warnings.simplefilter("always")
     import tensorflow as tf
-    from keras_memguard.probes import AllocatorProbe
+    from keras_memguard import AllocatorProbe
     from keras_memguard.testing import emit_result
 
     with warnings.catch_warnings(record=True) as caught:

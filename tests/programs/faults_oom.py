@@ -15,8 +15,8 @@ import keras
 
 import keras_memguard
 from keras_memguard.testing import emit_result
-from keras_memguard.training.eval_replay import ReplayTestFunction
-from keras_memguard.training.replay import ReplayTrainFunction
+from keras_memguard.backends.tensorflow.eval_replay import ReplayTestFunction
+from keras_memguard.backends.tensorflow.replay import ReplayTrainFunction
 from programs.common import collect_package_messages, weights
 from programs.faults_model import make_data, make_model
 

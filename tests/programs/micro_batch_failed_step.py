@@ -21,7 +21,7 @@ class Hog(keras.layers.Layer):
 
 
 def main():
-    from keras_memguard.training import make_step_function
+    from keras_memguard.backends.tensorflow import make_step_function
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import keras_memguard
 from keras_memguard.testing import emit_result
-from keras_memguard.training import multi_worker
+from keras_memguard.backends.tensorflow import multi_worker
 
 
 class Record(keras.callbacks.Callback):
@@ -47,7 +47,7 @@ class ClippedNet(keras_memguard.MemGuardMixin, keras.Model):
         return self.dense(self.pool(self.conv(x)))
 
     def train_step(self, data):
-        from keras_memguard.training import accumulate_gradients
+        from keras_memguard.backends.tensorflow import accumulate_gradients
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         result = accumulate_gradients(self, data, self.micro_batches)
         gradients = [tf.clip_by_norm(g, 1.0) for g in result.gradients]

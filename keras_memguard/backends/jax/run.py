@@ -1,7 +1,7 @@
 """`MemoryGuard` on Keras' JAX backend: the glue for one `fit`, `evaluate` or `predict`.
 
 On the JAX backend the guard trains through the JAX training core
-(`keras_memguard.jax_training`): a `ReplayingTrainFunction` put inside the
+(`keras_memguard.backends.jax`): a `ReplayingTrainFunction` put inside the
 model's logs carrier, which, before a batch of a new shape runs, compiles
 the micro-batched step for candidate counts and plans from what XLA says
 each needs (`plan_micro_batches`), and replays a batch that raised XLA's
@@ -18,7 +18,7 @@ free in later plans; a CPU device reports none, and the plan is the
 analysis alone.
 
 `evaluate` and `predict` (and `fit`'s validation) run in slices of each
-batch (`keras_memguard.jax_training.inference`), their count planned per
+batch (`keras_memguard.backends.jax.inference`), their count planned per
 batch shape from the compiled slice step the same way; a slice that runs
 out of memory is run again in smaller slices.
 
@@ -34,18 +34,18 @@ from keras_memguard.callbacks import messages
 from keras_memguard.callbacks import oom_report
 from keras_memguard.callbacks.controller import GuardController
 from keras_memguard.errors import UnsupportedTrainingSetupError
-from keras_memguard.jax_training.compiled import StepCache
-from keras_memguard.jax_training.compiled import shape_key
-from keras_memguard.jax_training.inference import SlicedPredictFunction
-from keras_memguard.jax_training.inference import SlicedTestFunction
-from keras_memguard.jax_training.inference import double_slices
+from keras_memguard.backends.jax.compiled import StepCache
+from keras_memguard.backends.jax.compiled import shape_key
+from keras_memguard.backends.jax.inference import SlicedPredictFunction
+from keras_memguard.backends.jax.inference import SlicedTestFunction
+from keras_memguard.backends.jax.inference import double_slices
 from keras_memguard.compiled_plan import excess_bytes
 from keras_memguard.compiled_plan import plan_micro_batches
-from keras_memguard.jax_training.replay import ReplayingTrainFunction
-from keras_memguard.jax_training.replay import is_out_of_memory
-from keras_memguard.jax_training.step import batch_size_of
-from keras_memguard.jax_training.support import check_supported
-from keras_memguard.training import functions
+from keras_memguard.backends.jax.replay import ReplayingTrainFunction
+from keras_memguard.backends.jax.replay import is_out_of_memory
+from keras_memguard.backends.jax.step import batch_size_of
+from keras_memguard.backends.jax.support import check_supported
+from keras_memguard import step_functions as functions
 
 logger = logging.getLogger("keras_memguard")
 

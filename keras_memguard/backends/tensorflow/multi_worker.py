@@ -67,20 +67,20 @@ from keras import tree
 from keras_memguard.errors import DistributedOutOfMemoryError
 from keras_memguard.errors import UnsupportedTrainingSetupError
 
-from keras_memguard.training import compat
-from keras_memguard.training import functions
-from keras_memguard.training.accumulation import accumulate_gradients
-from keras_memguard.training.accumulation import build_metrics
-from keras_memguard.training.replay import batch_size_of
-from keras_memguard.training.replay import run_execution
-from keras_memguard.training.replay import sample_size_of
-from keras_memguard.training.splitting import validate_micro_batches
-from keras_memguard.training.splitting import validate_mode
-from keras_memguard.training.step import build_optimizer
-from keras_memguard.training.step import cached_function
-from keras_memguard.training.step import finish_step
-from keras_memguard.training.step import trains_with_own_step
-from keras_memguard.training.step import warn_batch_statistics_once
+from keras_memguard.backends.tensorflow import compat
+from keras_memguard import step_functions as functions
+from keras_memguard.backends.tensorflow.accumulation import accumulate_gradients
+from keras_memguard.backends.tensorflow.accumulation import build_metrics
+from keras_memguard.backends.tensorflow.replay import batch_size_of
+from keras_memguard.backends.tensorflow.replay import run_execution
+from keras_memguard.backends.tensorflow.replay import sample_size_of
+from keras_memguard.backends.tensorflow.splitting import validate_micro_batches
+from keras_memguard.backends.tensorflow.splitting import validate_mode
+from keras_memguard.backends.tensorflow.step import build_optimizer
+from keras_memguard.backends.tensorflow.step import cached_function
+from keras_memguard.backends.tensorflow.step import finish_step
+from keras_memguard.backends.tensorflow.step import trains_with_own_step
+from keras_memguard.backends.tensorflow.step import warn_batch_statistics_once
 
 
 # The coordination-service key under which a worker that runs out of memory

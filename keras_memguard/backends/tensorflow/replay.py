@@ -15,8 +15,8 @@ passes through unchanged.
 import tensorflow as tf
 from keras import tree
 
-from keras_memguard.training.step import build_training_state
-from keras_memguard.training.step import step_function
+from keras_memguard.backends.tensorflow.step import build_training_state
+from keras_memguard.backends.tensorflow.step import step_function
 
 
 class ReplayTrainFunction:

@@ -20,14 +20,14 @@ import numpy as np
 
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.errors import MicroBatchTooLargeError
-from keras_memguard.jax_training.compiled import shape_key
-from keras_memguard.jax_training.compiled import spec_of
-from keras_memguard.jax_training.compiled import step_memory
-from keras_memguard.jax_training.replay import failed_allocation_bytes
-from keras_memguard.jax_training.replay import is_out_of_memory
-from keras_memguard.jax_training.replay import StepOutOfMemory
-from keras_memguard.jax_training.step import batch_size_of
-from keras_memguard.training import compat
+from keras_memguard.backends.jax.compiled import shape_key
+from keras_memguard.backends.jax.compiled import spec_of
+from keras_memguard.backends.jax.compiled import step_memory
+from keras_memguard.backends.jax.replay import failed_allocation_bytes
+from keras_memguard.backends.jax.replay import is_out_of_memory
+from keras_memguard.backends.jax.replay import StepOutOfMemory
+from keras_memguard.backends.jax.step import batch_size_of
+from keras_memguard.backends.tensorflow import compat
 
 
 def _slice(data, start, stop):

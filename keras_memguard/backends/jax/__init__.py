@@ -1,8 +1,8 @@
 """The training core on Keras' JAX backend.
 
-The counterpart of `keras_memguard.training` for `KERAS_BACKEND=jax`, and
+The counterpart of `keras_memguard.backends.tensorflow` for `KERAS_BACKEND=jax`, and
 the only package that touches the JAX trainer's internals (through
-`keras_memguard.training.compat`). Its modules, one responsibility each:
+`keras_memguard.backends.tensorflow.compat`). Its modules, one responsibility each:
 `step` (the micro-batched, non-donating train step), `compiled` (compiled
 steps per count and batch shapes, and what XLA says they need), `planning`
 (the smallest count whose compiled step fits), `replay` (the train function
@@ -14,19 +14,19 @@ steps per count and batch shapes, and what XLA says they need), `planning`
 Imports JAX and Keras, never TensorFlow.
 """
 
-from keras_memguard.jax_training.compiled import StepCache
+from keras_memguard.backends.jax.compiled import StepCache
 from keras_memguard.compiled_plan import StepMemory
 from keras_memguard.compiled_plan import CompiledPlan
 from keras_memguard.compiled_plan import excess_bytes
 from keras_memguard.compiled_plan import plan_micro_batches
-from keras_memguard.jax_training.replay import ReplayingTrainFunction
-from keras_memguard.jax_training.replay import StepOutOfMemory
-from keras_memguard.jax_training.replay import double_micro_batches
-from keras_memguard.jax_training.replay import is_out_of_memory
-from keras_memguard.jax_training.step import make_train_step
-from keras_memguard.jax_training.step import micro_batch_segments
-from keras_memguard.jax_training.step import micro_batch_train_step
-from keras_memguard.jax_training.support import check_supported
+from keras_memguard.backends.jax.replay import ReplayingTrainFunction
+from keras_memguard.backends.jax.replay import StepOutOfMemory
+from keras_memguard.backends.jax.replay import double_micro_batches
+from keras_memguard.backends.jax.replay import is_out_of_memory
+from keras_memguard.backends.jax.step import make_train_step
+from keras_memguard.backends.jax.step import micro_batch_segments
+from keras_memguard.backends.jax.step import micro_batch_train_step
+from keras_memguard.backends.jax.support import check_supported
 
 __all__ = [
     "CompiledPlan",

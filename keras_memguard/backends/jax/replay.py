@@ -21,10 +21,10 @@ import jax
 
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.errors import MicroBatchTooLargeError
-from keras_memguard.jax_training.compiled import StepCache
+from keras_memguard.backends.jax.compiled import StepCache
 from keras_memguard.compiled_plan import StepMemory
-from keras_memguard.jax_training.step import batch_size_of
-from keras_memguard.training import compat
+from keras_memguard.backends.jax.step import batch_size_of
+from keras_memguard.backends.tensorflow import compat
 
 # absl::StatusCode::kResourceExhausted, the status XLA gives out-of-memory
 # errors.

@@ -1,7 +1,7 @@
 """The training core: micro-batched steps and the out-of-memory replay.
 
 The only package that touches Keras' training internals (through
-`keras_memguard.training.compat`). Its modules, one responsibility each:
+`keras_memguard.backends.tensorflow.compat`). Its modules, one responsibility each:
 `splitting` (cutting a batch into micro-batches), `accumulation` (the
 micro-batch loop and what it sums), `step` (the train step, its compiled
 functions and their cache), `replay` (the train function that pulls a batch
@@ -16,16 +16,16 @@ the core; most users need only `keras_memguard.MemoryGuard` and
 
 import importlib
 
-# Loaded on first use, so that `keras_memguard.training.functions` (the one
+# Loaded on first use, so that `keras_memguard.step_functions` (the one
 # writer of a model's step functions) imports without TensorFlow.
 _EXPORTS = {
-    "AccumulatedGradients": "keras_memguard.training.accumulation",
-    "MicroBatch": "keras_memguard.training.splitting",
-    "accumulate_gradients": "keras_memguard.training.accumulation",
-    "has_batch_statistics_layers": "keras_memguard.training.step",
-    "make_step_function": "keras_memguard.training.step",
-    "micro_batch_train_step": "keras_memguard.training.step",
-    "split_micro_batches": "keras_memguard.training.splitting",
+    "AccumulatedGradients": "keras_memguard.backends.tensorflow.accumulation",
+    "MicroBatch": "keras_memguard.backends.tensorflow.splitting",
+    "accumulate_gradients": "keras_memguard.backends.tensorflow.accumulation",
+    "has_batch_statistics_layers": "keras_memguard.backends.tensorflow.step",
+    "make_step_function": "keras_memguard.backends.tensorflow.step",
+    "micro_batch_train_step": "keras_memguard.backends.tensorflow.step",
+    "split_micro_batches": "keras_memguard.backends.tensorflow.splitting",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -35,7 +35,7 @@ def __getattr__(name):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(
-            f"module 'keras_memguard.training' has no attribute {name!r}"
+            f"module 'keras_memguard.backends.tensorflow' has no attribute {name!r}"
         )
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value

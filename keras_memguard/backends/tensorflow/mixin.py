@@ -1,13 +1,13 @@
 """`MemGuardMixin`: a micro-batched `train_step` for Keras model classes."""
 
-from keras_memguard.training import accumulation
-from keras_memguard.training import functions
-from keras_memguard.training.replay import run_execution
-from keras_memguard.training.splitting import validate_micro_batches
-from keras_memguard.training.splitting import validate_mode
-from keras_memguard.training.step import MIXIN_STEP_MARK
-from keras_memguard.training.step import micro_batch_train_step
-from keras_memguard.training.step import step_function
+from keras_memguard.backends.tensorflow import accumulation
+from keras_memguard import step_functions as functions
+from keras_memguard.backends.tensorflow.replay import run_execution
+from keras_memguard.backends.tensorflow.splitting import validate_micro_batches
+from keras_memguard.backends.tensorflow.splitting import validate_mode
+from keras_memguard.backends.tensorflow.step import MIXIN_STEP_MARK
+from keras_memguard.backends.tensorflow.step import micro_batch_train_step
+from keras_memguard.backends.tensorflow.step import step_function
 
 
 def _set_private(model, name, value):
@@ -52,7 +52,7 @@ class MemGuardMixin:
     Both attributes may be changed between batches (for example by a
     callback): the next batch uses them. One compiled step is kept per
     `(micro_batches, mode)`, built with
-    `keras_memguard.training.make_step_function`; powers of two
+    `keras_memguard.backends.tensorflow.make_step_function`; powers of two
     keep their number small. The train function pulls each batch from the
     iterator, then runs the compiled step on it (with `steps_per_execution
     > 1`, that many batches in a Python loop). Models
@@ -171,7 +171,7 @@ class MemGuardMixin:
         """Computes a batch's gradients over `self.micro_batches` micro-batches.
 
         For a `train_step` of your own: see
-        `keras_memguard.training.accumulate_gradients`, which this calls
+        `keras_memguard.backends.tensorflow.accumulate_gradients`, which this calls
         with `self.micro_batches`.
 
         Args:

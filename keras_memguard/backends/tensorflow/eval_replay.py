@@ -38,13 +38,13 @@ import tensorflow as tf
 from keras import tree
 
 from keras_memguard.errors import UnsupportedTrainingSetupError
-from keras_memguard.training import compat
-from keras_memguard.training import functions
-from keras_memguard.training.replay import batch_size_of
-from keras_memguard.training.replay import run_execution
-from keras_memguard.training.replay import sample_size_of
-from keras_memguard.training.splitting import validate_micro_batches
-from keras_memguard.training.step import cached_function
+from keras_memguard.backends.tensorflow import compat
+from keras_memguard import step_functions as functions
+from keras_memguard.backends.tensorflow.replay import batch_size_of
+from keras_memguard.backends.tensorflow.replay import run_execution
+from keras_memguard.backends.tensorflow.replay import sample_size_of
+from keras_memguard.backends.tensorflow.splitting import validate_micro_batches
+from keras_memguard.backends.tensorflow.step import cached_function
 
 
 class ReplayTestFunction:

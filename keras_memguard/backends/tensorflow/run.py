@@ -26,19 +26,19 @@ from keras_memguard.callbacks.controller import GuardController
 from keras_memguard.compiled_plan import excess_bytes
 from keras_memguard.compiled_plan import plan_micro_batches
 from keras_memguard.errors import UnsupportedTrainingSetupError
-from keras_memguard.probes import region
-from keras_memguard.training import compat
-from keras_memguard.training import multi_worker
-from keras_memguard.training import remat
-from keras_memguard.training import xla_memory
-from keras_memguard.training.eval_replay import ReplayTestFunction
-from keras_memguard.training.mixin import MemGuardMixin
-from keras_memguard.training.predict_replay import ReplayPredictFunction
-from keras_memguard.training.replay import ReplayTrainFunction
-from keras_memguard.training.setup import describe_setup
-from keras_memguard.training.setup import gradient_bytes
-from keras_memguard.training.step import cached_function
-from keras_memguard.training.step import trains_with_own_step
+from keras_memguard.backends.tensorflow import region
+from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends.tensorflow import multi_worker
+from keras_memguard.backends.tensorflow import remat
+from keras_memguard.backends.tensorflow import xla_memory
+from keras_memguard.backends.tensorflow.eval_replay import ReplayTestFunction
+from keras_memguard.backends.tensorflow.mixin import MemGuardMixin
+from keras_memguard.backends.tensorflow.predict_replay import ReplayPredictFunction
+from keras_memguard.backends.tensorflow.replay import ReplayTrainFunction
+from keras_memguard.backends.tensorflow.setup import describe_setup
+from keras_memguard.backends.tensorflow.setup import gradient_bytes
+from keras_memguard.backends.tensorflow.step import cached_function
+from keras_memguard.backends.tensorflow.step import trains_with_own_step
 
 # A batch size no real batch reaches: the bound when the size is unknown.
 _UNKNOWN_BATCH_SIZE = 1 << 30

@@ -2,12 +2,12 @@
 
 import logging
 import os
-import re
 from typing import NamedTuple, Optional
 
 from keras_memguard.probes.base import MIB
 from keras_memguard.probes.base import AllocatorSample
 from keras_memguard.probes.base import check_bytes
+from keras_memguard.probes.base import normalize_device
 from keras_memguard.probes.base import warn_at_user_code
 
 logger = logging.getLogger("keras_memguard")
@@ -19,7 +19,6 @@ TF_DEFAULT_CPU_BFC_LIMIT_MIB = 1 << 16
 LIMIT_SOURCES = ("user", "logical_device", "cpu_bfc_env", "nvml", "unknown")
 MODES = ("bfc", "default", "unavailable", "gpu")
 
-_DEVICE_RE = re.compile(r"^(?:.*/)?(?:device:)?(cpu|gpu):?(\d+)$", re.IGNORECASE)
 _BFC_HINT = (
     "HINT: set TF_CPU_ALLOCATOR_USE_BFC=true (and TF_CPU_BFC_MEM_LIMIT_IN_MB="
     "<MiB> for a cap) in the environment before TensorFlow is imported."
@@ -37,27 +36,6 @@ class _Entry(NamedTuple):
     mode: str
     limit: Optional[int]
     source: str
-
-
-def normalize_device(device):
-    """Returns the short TensorFlow form of a CPU or GPU device.
-
-    Args:
-        device: A device string such as `"GPU:0"`, `"/device:GPU:0"`,
-            `"/job:localhost/replica:0/task:0/device:CPU:1"` or `"gpu0"`, or
-            an object with such a `name` (a `tf.config.LogicalDevice`).
-
-    Returns:
-        The device as `"GPU:0"` or `"CPU:1"`, or `None` if it is not a CPU or
-        GPU device string.
-    """
-    name = getattr(device, "name", device)
-    if not isinstance(name, str):
-        return None
-    match = _DEVICE_RE.match(name.strip())
-    if match is None:
-        return None
-    return f"{match.group(1).upper()}:{int(match.group(2))}"
 
 
 def _env_flag(name):

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from keras_memguard.decider import validate_micro_batches
-from keras_memguard.training import compat
+from keras_memguard.backends.tensorflow import compat
 
 
 def micro_batch_segments(batch_size, micro_batches):

@@ -29,7 +29,7 @@ and process; a failure is logged and not tried again.
 import logging
 
 from keras_memguard.probes.base import MIB
-from keras_memguard.probes.tf_allocator import cpu_bfc_limit_bytes
+from keras_memguard.backends.tensorflow.probe import cpu_bfc_limit_bytes
 
 logger = logging.getLogger("keras_memguard")
 

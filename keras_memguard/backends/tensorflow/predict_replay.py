@@ -23,18 +23,18 @@ import tensorflow as tf
 from keras import tree
 
 from keras_memguard.errors import UnsupportedTrainingSetupError
-from keras_memguard.training import compat
-from keras_memguard.training import functions
-from keras_memguard.training.eval_replay import optionals_to_none
-from keras_memguard.training.eval_replay import relaxed_spec
-from keras_memguard.training.eval_replay import single_replica
-from keras_memguard.training.eval_replay import slice_batch
-from keras_memguard.training.eval_replay import slices_of
-from keras_memguard.training.eval_replay import spec_key
-from keras_memguard.training.replay import batch_size_of
-from keras_memguard.training.replay import sample_size_of
-from keras_memguard.training.splitting import validate_micro_batches
-from keras_memguard.training.step import cached_function
+from keras_memguard.backends.tensorflow import compat
+from keras_memguard import step_functions as functions
+from keras_memguard.backends.tensorflow.eval_replay import optionals_to_none
+from keras_memguard.backends.tensorflow.eval_replay import relaxed_spec
+from keras_memguard.backends.tensorflow.eval_replay import single_replica
+from keras_memguard.backends.tensorflow.eval_replay import slice_batch
+from keras_memguard.backends.tensorflow.eval_replay import slices_of
+from keras_memguard.backends.tensorflow.eval_replay import spec_key
+from keras_memguard.backends.tensorflow.replay import batch_size_of
+from keras_memguard.backends.tensorflow.replay import sample_size_of
+from keras_memguard.backends.tensorflow.splitting import validate_micro_batches
+from keras_memguard.backends.tensorflow.step import cached_function
 
 
 class ReplayPredictFunction:

@@ -12,9 +12,9 @@ message naming the backend.
 
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.errors import UnsupportedTrainingSetupError
-from keras_memguard.jax_training.replay import ReplayingTrainFunction
-from keras_memguard.jax_training.replay import double_micro_batches
-from keras_memguard.training import functions
+from keras_memguard.backends.jax.replay import ReplayingTrainFunction
+from keras_memguard.backends.jax.replay import double_micro_batches
+from keras_memguard import step_functions as functions
 
 
 class MemGuardMixin:

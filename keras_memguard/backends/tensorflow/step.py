@@ -21,17 +21,17 @@ import keras
 import tensorflow as tf
 
 from keras_memguard.errors import UnsupportedTrainingSetupError
-from keras_memguard.training import compat
-from keras_memguard.training import remat
-from keras_memguard.training.accumulation import ACCUMULATED_ATTR
-from keras_memguard.training.accumulation import _micro_batch
-from keras_memguard.training.accumulation import accumulate_gradients
-from keras_memguard.training.accumulation import build_metrics
-from keras_memguard.training.accumulation import compiled_loss_compute
-from keras_memguard.training.accumulation import flat_tensors
-from keras_memguard.training.accumulation import run_micro_batches
-from keras_memguard.training.splitting import validate_micro_batches
-from keras_memguard.training.splitting import validate_mode
+from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends.tensorflow import remat
+from keras_memguard.backends.tensorflow.accumulation import ACCUMULATED_ATTR
+from keras_memguard.backends.tensorflow.accumulation import _micro_batch
+from keras_memguard.backends.tensorflow.accumulation import accumulate_gradients
+from keras_memguard.backends.tensorflow.accumulation import build_metrics
+from keras_memguard.backends.tensorflow.accumulation import compiled_loss_compute
+from keras_memguard.backends.tensorflow.accumulation import flat_tensors
+from keras_memguard.backends.tensorflow.accumulation import run_micro_batches
+from keras_memguard.backends.tensorflow.splitting import validate_micro_batches
+from keras_memguard.backends.tensorflow.splitting import validate_mode
 
 _BATCH_STATS_WARNED_ATTR = "_memguard_batch_statistics_warned"
 _CACHE_ATTR = "_memguard_function_cache"

@@ -33,14 +33,14 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from keras_memguard.training import compat
-from keras_memguard.training import remat
-from keras_memguard.training.splitting import first_tensor
-from keras_memguard.training.splitting import leading_size
-from keras_memguard.training.splitting import make_micro_batch
-from keras_memguard.training.splitting import maximum
-from keras_memguard.training.splitting import plan_split
-from keras_memguard.training.splitting import validate_micro_batches
+from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends.tensorflow import remat
+from keras_memguard.backends.tensorflow.splitting import first_tensor
+from keras_memguard.backends.tensorflow.splitting import leading_size
+from keras_memguard.backends.tensorflow.splitting import make_micro_batch
+from keras_memguard.backends.tensorflow.splitting import maximum
+from keras_memguard.backends.tensorflow.splitting import plan_split
+from keras_memguard.backends.tensorflow.splitting import validate_micro_batches
 
 # Set on a model while one of its steps is traced and `accumulate_gradients`
 # ran: a `train_step` override that never calls it cannot be split.

@@ -15,7 +15,7 @@ import jax
 
 from keras_memguard.compiled_plan import StepMemory
 from keras_memguard.decider import validate_micro_batches
-from keras_memguard.jax_training.step import make_train_step
+from keras_memguard.backends.jax.step import make_train_step
 
 
 def step_memory(compiled, micro_batches):

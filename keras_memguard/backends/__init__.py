@@ -1,0 +1,74 @@
+"""Each Keras backend's code, and the one place the backend is chosen.
+
+Keras keeps each backend in `keras/src/backend/<name>/` and picks its
+trainer once, from `keras.backend.backend()`. So does this package: one
+subpackage per backend (`tensorflow/`, `jax/`, `torch/`), each with a
+`protocol` module giving the same small set of names, and `current()`,
+which imports the protocol of the backend in use on first call. Everything
+above this folder (the callbacks, the finder, the report) asks `current()`
+and never imports a framework itself.
+
+A backend's `protocol` module provides:
+
+- `NAME`: the Keras backend's name.
+- `make_probe(devices=None, memory_limit=None)`: the memory probe (its
+  samples are `keras_memguard.probes.base.AllocatorSample`s).
+- `training_run(guard, log_key)`: the run of one `fit` under `MemoryGuard`
+  (`begin`, `end`, `begin_epoch`, `after_train_batch`,
+  `micro_batch_size`).
+- `inference_run(guard, kind)`: the run of one `evaluate` or `predict`
+  (`after_batch`, `end`), or `None` where that call runs unguarded.
+- `mixin_class()`: that backend's `MemGuardMixin`.
+- `VALIDATION_IN_FIT`: whether `fit`'s validation is guarded by the
+  training run (`begin_validation` / `end_validation`) rather than as an
+  `evaluate` of its own.
+- `PROFILES_SPIKES`: whether `MemoryMonitor(profile_spikes=...)` works,
+  and where it does, `spike_profiler(log_dir, spike_fraction,
+  max_profiles)`, its tracer.
+
+Adding a backend is a folder here and one line in `_REGISTERED`.
+"""
+
+import importlib
+
+import keras
+
+from keras_memguard.errors import UnsupportedTrainingSetupError
+
+_REGISTERED = {
+    "tensorflow": "keras_memguard.backends.tensorflow.protocol",
+    "jax": "keras_memguard.backends.jax.protocol",
+    "torch": "keras_memguard.backends.torch.protocol",
+}
+
+_loaded = {}
+
+
+def names():
+    """The Keras backends the package supports, a sorted tuple of names."""
+    return tuple(sorted(_REGISTERED))
+
+
+def current():
+    """The protocol module of the Keras backend in use.
+
+    Returns:
+        The backend's `protocol` module (see this package's docstring).
+
+    Raises:
+        UnsupportedTrainingSetupError: If Keras runs on a backend the
+            package has no folder for.
+    """
+    name = keras.backend.backend()
+    protocol = _loaded.get(name)
+    if protocol is None:
+        module = _REGISTERED.get(name)
+        if module is None:
+            raise UnsupportedTrainingSetupError(
+                f"keras_memguard works on Keras' {', '.join(names())} "
+                f"backends; this is the {name} backend. Received: "
+                f"KERAS_BACKEND={name!r}. HINT: set KERAS_BACKEND to one of "
+                f"{', '.join(repr(n) for n in names())}."
+            )
+        protocol = _loaded[name] = importlib.import_module(module)
+    return protocol

@@ -1,0 +1,34 @@
+"""The PyTorch backend as `keras_memguard.backends.current()` gives it."""
+
+NAME = "torch"
+VALIDATION_IN_FIT = False
+PROFILES_SPIKES = False
+
+
+def make_probe(devices=None, memory_limit=None):
+    """CUDA's allocator statistics, or the process's resident memory on the CPU."""
+    from keras_memguard.backends.torch.probe import TorchMemoryProbe
+
+    return TorchMemoryProbe(devices=devices, memory_limit=memory_limit)
+
+
+def training_run(guard, log_key):
+    """The run of one `fit` under `guard` (`TorchTrainingRun`)."""
+    from keras_memguard.backends.torch.run import TorchTrainingRun
+
+    return TorchTrainingRun(guard, log_key)
+
+
+def inference_run(guard, kind):
+    """`None`: `evaluate` and `predict` run as Keras runs them, said once."""
+    from keras_memguard.callbacks import messages
+
+    messages.log_inference_not_guarded(NAME, kind)
+    return None
+
+
+def mixin_class():
+    """`MemGuardMixin` on PyTorch."""
+    from keras_memguard.backends.torch.mixin import MemGuardMixin
+
+    return MemGuardMixin
