@@ -251,6 +251,7 @@ def run_guard(guard, limit_mib=1024.0, batch=512, steps=4, size=64):
         error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, index)
+    logs = {} if history is None else history.history
     result = {
         "limit": limit_mib,
         "fraction": fraction,
@@ -258,10 +259,10 @@ def run_guard(guard, limit_mib=1024.0, batch=512, steps=4, size=64):
         "error": error,
         "oom_recoveries": getattr(guard, "oom_recoveries", None),
         "micro_batches_last": getattr(guard, "micro_batches", None),
-        "micro_batches_per_epoch": None if history is None else history.history.get("micro_batches"),
-        "epoch_peaks": None if history is None else history.history.get("memory_peak_mib"),
-        "epoch_usage": None if history is None else history.history.get("memory_usage"),
-        "loss": None if history is None else history.history.get("loss"),
+        "micro_batches_per_epoch": logs.get("micro_batches"),
+        "epoch_peaks": logs.get("memory_peak_mib"),
+        "epoch_usage": logs.get("memory_usage"),
+        "loss": logs.get("loss"),
     }
     units = {"limit": "MiB", "epoch_peaks": "MiB"}
     for figure, value in result.items():

@@ -45,6 +45,8 @@ class NvmlProbe:
     `CUDA_DEVICE_ORDER=PCI_BUS_ID` on machines with mixed GPU models.
     The ordinals here are TensorFlow's *physical* GPU ordinals (the CUDA
     ordinals), before `tf.config.set_visible_devices` or virtual devices.
+    On Keras' JAX and PyTorch backends they are the CUDA ordinals too: a
+    torch device `cuda:i` is ordinal `i`.
 
     With TensorFlow's default pre-allocation, NVML's `used_bytes` and
     `process_bytes` sit near 100% of the device whatever the model needs:
@@ -334,15 +336,23 @@ def _backend_sees_gpu():
 
     Only asked when NVML is missing, so the cost (importing TensorFlow on
     the TensorFlow backend) is paid only then; on the JAX backend JAX is
-    asked, and TensorFlow is never imported.
+    asked, on the PyTorch backend `torch.cuda`, and TensorFlow is never
+    imported.
     """
     try:
         import keras
 
-        if keras.backend.backend() == "jax":
+        backend = keras.backend.backend()
+        if backend == "jax":
             import jax
 
             return any(d.platform == "gpu" for d in jax.devices())
+        if backend == "torch":
+            import torch
+
+            # CUDA device i is the i-th GPU of CUDA_VISIBLE_DEVICES, as a
+            # TensorFlow GPU ordinal is: `_visible_gpus` maps both.
+            return bool(torch.cuda.is_available() and torch.cuda.device_count())
         import tensorflow as tf
 
         return bool(tf.config.list_physical_devices("GPU"))
