@@ -257,3 +257,87 @@ def _after_act_as_gpu(arguments):
         + f"runpy.run_path({script!r}, run_name='__main__')\n"
     )
     return ["-c", runner]
+
+
+def run_with_address_space_cap(
+    code, address_space_mib, timeout=600, env=None, check=True, arguments=()
+):
+    """Runs Python source in a new process whose address space is capped.
+
+    The child sets `resource.setrlimit(RLIMIT_AS, (N, N))` before anything
+    else runs: an allocation past the cap fails as it would when a machine's
+    memory is exhausted. PyTorch's CPU allocator then raises a real,
+    catchable `RuntimeError` ("DefaultCPUAllocator: can't allocate memory"),
+    the stand-in for a full device on Keras' PyTorch backend. Importing
+    Keras on torch takes about a GiB of address space by itself, so a cap
+    must sit above that. Linux only (`resource`).
+
+    Args:
+        code: Python source to run. It may call
+            `keras_memguard.testing.emit_result(value)` to return a value.
+        address_space_mib: The cap in MiB, a positive integer.
+        timeout: Seconds before the process is killed. Defaults to `600`.
+        env: Extra environment variables for the process. Defaults to `None`.
+        check: If `True`, a non-zero exit raises `RuntimeError` carrying the
+            process output. Defaults to `True`.
+        arguments: Further arguments for the child, in its `sys.argv[1:]`.
+            Defaults to `()`.
+
+    Returns:
+        A `CappedRun`.
+
+    Raises:
+        ValueError: If `address_space_mib` is not a positive integer.
+        RuntimeError: If `check` is `True` and the process failed.
+        subprocess.TimeoutExpired: If the process outran `timeout`.
+
+    Example:
+
+    ```python
+    run = run_with_address_space_cap(
+        "import torch\\n"
+        "from keras_memguard.testing import emit_result\\n"
+        "emit_result(torch.empty(2**20).numel())",
+        address_space_mib=3000,
+        env={"KERAS_BACKEND": "torch"},
+    )
+    print(run.result)
+    ```
+    """
+    if (
+        isinstance(address_space_mib, bool)
+        or not isinstance(address_space_mib, int)
+        or address_space_mib < 1
+    ):
+        raise ValueError(
+            "`address_space_mib` must be a positive integer. "
+            f"Received: address_space_mib={address_space_mib!r}"
+        )
+    limit = address_space_mib * 2**20
+    prelude = (
+        "import resource\n"
+        f"resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))\n"
+        "del resource\n"
+    )
+    process_env = dict(os.environ)
+    process_env.setdefault("PYTHONUNBUFFERED", "1")
+    if env:
+        process_env.update(env)
+    completed = subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code), *arguments],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=process_env,
+    )
+    result = None
+    for line in completed.stdout.splitlines():
+        if line.startswith(RESULT_MARKER):
+            result = json.loads(line[len(RESULT_MARKER):])
+    if check and completed.returncode != 0:
+        raise RuntimeError(
+            f"Capped process exited with status {completed.returncode}.\n"
+            f"--- stdout ---\n{completed.stdout[-4000:]}\n"
+            f"--- stderr ---\n{completed.stderr[-8000:]}"
+        )
+    return CappedRun(completed.returncode, completed.stdout, completed.stderr, result)
