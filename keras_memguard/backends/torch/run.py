@@ -1,0 +1,264 @@
+"""`MemoryGuard` on Keras' PyTorch backend: the glue for one `fit`.
+
+The guard trains through the torch training core
+(`keras_memguard.backends.torch.replay`): a `ReplayingTrainFunction` put
+inside the model's logs carrier. Before each batch the decider plans its
+count from the memory in use and the demands measured so far, as on
+TensorFlow without XLA (PyTorch runs eagerly: there is no compiled program
+to read); after it, the batch's peak is what the decider learns from; a
+batch that raised an out-of-memory error is run again on the untouched
+weights with the count `decider.fail` gives. The plan cache keeps what was
+learned per set-up, as on the other backends.
+
+On a CUDA device the probe reads the caching allocator (allocated bytes, the
+peak per batch); on the CPU it reads the process's resident memory, so
+`memory_limit` must be given there.
+
+`evaluate` and `predict` run as Keras runs them on this backend (said once).
+"""
+
+import math
+
+import keras
+import numpy as np
+import torch
+from keras import tree
+
+from keras_memguard import decider
+from keras_memguard.backends.torch.replay import ReplayingTrainFunction
+from keras_memguard.callbacks import logs_carrier
+from keras_memguard.callbacks import messages
+from keras_memguard.callbacks import oom_report
+from keras_memguard.errors import UnsupportedTrainingSetupError
+
+# The micro-batching modes the torch step has.
+_MODES = {"accumulate": "accumulate", "auto": "accumulate", "shrink": "shrink"}
+
+
+def unsupported_options(guard):
+    """The guard's options the PyTorch backend cannot honour, in words, or `None`."""
+    refused = []
+    if guard.escalate:
+        refused.append(f"escalate={guard.escalate!r}")
+    if not refused:
+        return None
+    return (
+        "On Keras' PyTorch backend `MemoryGuard` micro-batches and replays; "
+        f"not supported there yet: {', '.join(refused)}. HINT: leave these "
+        "options at their defaults, or train on the TensorFlow backend."
+    )
+
+
+def sample_size_of(data):
+    """Elements of one sample's inputs: what a micro-batch's demand scales with.
+
+    Args:
+        data: A batch as Keras' data adapters yield it.
+
+    Returns:
+        A float > 0 (`1.0` where the inputs have no shape).
+    """
+    x = data[0] if isinstance(data, (tuple, list)) and data else data
+    total = 0
+    for leaf in tree.flatten(x):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape) >= 1:
+            total += math.prod(int(d) for d in tuple(shape)[1:])
+    return float(total) or 1.0
+
+
+def batch_size_of(data):
+    """Samples in a batch: the first dimension of its first input, or `None`."""
+    x = data[0] if isinstance(data, (tuple, list)) and data else data
+    for leaf in tree.flatten(x):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape) >= 1:
+            return int(shape[0])
+    return None
+
+
+def gradient_bytes(model):
+    """Bytes of the model's trainable weights: the gradients a step holds."""
+    total = 0
+    for variable in model.trainable_weights:
+        size = math.prod(variable.shape)
+        try:
+            total += size * np.dtype(variable.dtype).itemsize
+        except TypeError:  # a dtype numpy does not know (bfloat16)
+            total += size * 2
+    return float(total)
+
+
+def describe_setup(model, data, devices, limits, mode):
+    """What identifies a training set-up to the plan cache (see the TensorFlow one)."""
+    x = data[0] if isinstance(data, (tuple, list)) and data else data
+    signature = []
+    for leaf in tree.flatten(x):
+        shape = tuple(getattr(leaf, "shape", ()) or ())
+        signature.append(
+            [str(getattr(leaf, "dtype", None)), len(shape), shape[-1] if len(shape) > 1 else None]
+        )
+    return {
+        "model": type(model).__name__,
+        "layers": [type(layer).__name__ for layer in model.layers],
+        "weights": [[list(v.shape), str(v.dtype)] for v in model.weights],
+        "optimizer": type(getattr(model, "optimizer", None)).__name__,
+        "inputs": signature,
+        "devices": list(devices),
+        "limits": [None if l is None else int(l) for l in limits],
+        "mode": mode,
+        "backend": "torch",
+        "torch": torch.__version__,
+        "keras": keras.__version__,
+    }
+
+
+def _in_use(samples):
+    in_use = [s.current_bytes for s in samples if s.current_bytes is not None]
+    return float(max(in_use)) if in_use else None
+
+
+def _peak(samples):
+    peaks = [s.peak_bytes for s in samples if s.peak_bytes is not None]
+    return float(max(peaks)) if peaks else None
+
+
+class TorchTrainingRun:
+    """One `fit` of a model under `MemoryGuard`, on the PyTorch backend.
+
+    Args:
+        guard: The `MemoryGuard` (its controller, reader, limits and options).
+        log_key: The logs key the micro-batch count is reported under.
+    """
+
+    def __init__(self, guard, log_key):
+        self.guard = guard
+        self.log_key = log_key
+        self.model = guard.model
+        self.function = None
+        self._carrier = None
+        self._previous_inner = None
+        # Memory in use right before the batch that runs now, and its
+        # batch and sample sizes.
+        self._before = None
+        self._batch_size = None
+        self._sample_size = 1.0
+
+    def begin(self):
+        """Checks the options; installs the replaying function in the carrier."""
+        guard = self.guard
+        reason = unsupported_options(guard)
+        if reason is not None:
+            raise UnsupportedTrainingSetupError(reason)
+        if not guard._started and not guard.plan:
+            self._start(None)
+        self.function = ReplayingTrainFunction(
+            self.model,
+            micro_batches=guard.micro_batches,
+            plan=self._plan,
+            on_out_of_memory=self._on_out_of_memory,
+            mode=_MODES[guard.mode],
+        )
+        self._carrier, self._previous_inner = logs_carrier.train_inside(
+            self.model, guard, self._contribute, guard.params, self.function
+        )
+
+    def end(self):
+        """Puts the train function in place before back."""
+        logs_carrier.leave(
+            self.model, self.guard, self._carrier, self.function, self._previous_inner
+        )
+        self._carrier = None
+        self.function = None
+
+    def begin_epoch(self):
+        """Nothing at an epoch's start: steps are counted per call."""
+
+    def after_train_batch(self, batch, logs):
+        """Nothing in Keras' batch hook: the carrier's contribution did it."""
+
+    def micro_batch_size(self, micro_batches):
+        """Samples in one micro-batch, or `None`."""
+        size = self._batch_size
+        return -(-size // micro_batches) if size else None
+
+    def _start(self, data):
+        """Starts the decider for this `fit`: limit, fixed bytes, plan cache."""
+        guard = self.guard
+        state = None
+        if data is not None and guard.plan and guard.plan_cache and not guard._has_restored_state:
+            fields = describe_setup(
+                self.model, data, guard._reader.probe.devices, guard._limits, guard.mode
+            )
+            state = guard.controller.load_plan(fields)
+        guard.controller.start(
+            min(l for l in guard._limits if l), gradient_bytes(self.model), 0.0, state
+        )
+        guard._started = True
+
+    def _plan(self, data):
+        """The count for the batch about to run (the function's `plan`)."""
+        guard = self.guard
+        if not guard._started:
+            self._start(data)
+        # Reading resets the peak: the batch's own peak is read after it.
+        self._before = _in_use(guard._reader.read(guard, None))
+        batch_size = self._batch_size = batch_size_of(data) or 1
+        self._sample_size = sample_size_of(data)
+        if not guard.plan:
+            return guard.micro_batches
+        return guard.controller.plan(batch_size, self._sample_size, self._before)
+
+    def _on_out_of_memory(self, failure):
+        """The count to replay a batch with, from the decider, or raises."""
+        guard = self.guard
+        controller = guard.controller
+        in_use = _in_use(guard._reader.read(guard, None))
+        self._before = decider.in_use_beside_replay(self._before, in_use)
+        decided = controller.fail(
+            decider.Failure(
+                failure.batch_size,
+                failure.micro_batches,
+                self._sample_size,
+                self._before,
+                controller.limit_bytes,
+                in_use_bytes=in_use,
+                allocation_bytes=failure.allocation_bytes,
+            )
+        )
+        if decided.cannot_split is not None:
+            raise oom_report.cannot_split_error(
+                guard, decided, failure.batch_size, failure.micro_batches
+            ) from failure.error
+        k = min(decided.micro_batches, failure.batch_size)
+        messages.log_replay(
+            failure.batch_size, failure.micro_batches, k, str(-(-failure.batch_size // k))
+        )
+        return k
+
+    def _contribute(self, logs):
+        """After each train function call: the decider learns, logs and scalars."""
+        guard = self.guard
+        samples = guard._reader.read(guard, self._carrier.batch_key)
+        function = self.function
+        controller = guard.controller
+        if function is not None and controller.limit_bytes and self._batch_size:
+            decided = controller.observe(
+                decider.Reading(
+                    self._batch_size,
+                    min(function.micro_batches, self._batch_size),
+                    self._sample_size,
+                    self._before,
+                    _peak(samples),
+                    controller.limit_bytes,
+                )
+            )
+            if not guard.plan and decided.changed:
+                messages.log_decision(decided, str(self.micro_batch_size(decided.micro_batches)))
+                function.micro_batches = decided.micro_batches
+                guard._save_state()
+        guard._step += 1
+        if logs is not None:
+            logs[self.log_key] = guard.micro_batches
+        if guard._writer is not None:
+            guard._write_scalars()
