@@ -210,6 +210,23 @@ def _cuda_initialized():
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
+def drop_tracebacks(error):
+    """Drops the tracebacks of `error` and of every error chained behind it.
+
+    Args:
+        error: An exception; its `__cause__` / `__context__` chain is walked.
+    """
+    seen = set()
+    pending = [error]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        error.__traceback__ = None
+        pending += (error.__cause__, error.__context__)
+
+
 def free_memory():
     """Gives back what a failed attempt held: collected, CUDA's cache emptied."""
     gc.collect()
@@ -335,9 +352,11 @@ class ReplayingTrainFunction:
             except Exception as error:
                 if not is_out_of_memory(error) or progress.applying:
                     raise
-                # The traceback holds the failed attempt's frames: its
-                # micro-batch, outputs and autograd graph.
-                error.__traceback__ = None
+                # The tracebacks hold the failed attempt's frames: its
+                # micro-batch, outputs and autograd graph. Keras re-raises a
+                # layer's error as a new one, so torch's own (and its
+                # traceback) is in the chain behind it.
+                drop_tracebacks(error)
                 self.model.zero_grad()
                 snapshot[0].restore()
                 free_memory()
