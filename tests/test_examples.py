@@ -51,7 +51,7 @@ def _recoveries(output):
 @pytest.mark.slow
 def test_the_quickstart_runs_out_of_memory_plainly_and_trains_every_batch_guarded(tmp_path):
     output = _run("quickstart", tmp_path, "--log-dir", str(tmp_path / "logs"), "--epochs", "1")
-    assert "1. Plain fit at batch 256 under a 600 MiB cap\n   ran out of memory" in output, output
+    assert "1. Plain fit at batch 256 under a 600 MiB cap (tensorflow)\n   ran out of memory" in output, output
     assert "every batch trained (768 samples per epoch)" in output, output
     # Planned before each batch: no error to recover from.
     assert "out-of-memory recoveries: 0" in output, output
