@@ -27,44 +27,51 @@ fitted to the trials, answers how many micro-batches a requested batch
 needs, never fewer than a micro-batch no larger than a batch that ran.
 
 Each trial runs the model's own train function as `fit` in a fresh
-process runs it: traced anew at the trial's batch size, fed by Keras' own
-data adapter from the user's input (numpy arrays, a `tf.data.Dataset` or a
-`PyDataset`), for a few steps, so a custom `train_step`, the input
-pipeline's buffers and the arrays `fit` holds are all measured. Each
-trial's memory counts from what was in use before it, so what an earlier
-trial left behind does not count. Without XLA the answer is `tolerance`
-below the largest batch that ran (at the very top, a batch trains or not
-depending on where the prefetched batches land), and a trial there may
-still run out of memory (recovered). On XLA, where an error in a compiled
-program can end the process, the search reads XLA's buffer assignment of
-the train step at each batch instead of running it, and runs one step at
-the answer. Before the first trial
-every weight, optimizer variable (slots and the step counter) and metric
-variable is copied; afterwards all are put back, bit for bit.
+process runs it: made anew at the trial's batch size, fed by Keras' own
+data adapter from the user's input (numpy arrays or tensors, a
+`keras.utils.PyDataset`, and on TensorFlow a `tf.data.Dataset`), for a few
+steps, so a custom `train_step`, the input pipeline's buffers and the
+arrays `fit` holds are all measured. Each trial's memory counts from what
+was in use before it (on TensorFlow) or before the first trial (on
+PyTorch, whose CPU memory a trial freed may stay with the process), so
+what an earlier trial left behind does not shrink the answer. Without a
+compiled step the answer is `tolerance` below the largest batch that ran
+(at the very top, a batch trains or not depending on where the prefetched
+batches land), and a trial there may still run out of memory (recovered).
+Where `fit` runs a step compiled by XLA, whose buffers are assigned before
+it runs, the search reads the compiled step's memory instead: on
+TensorFlow with XLA it reads the buffer assignment of the train step at
+each batch after one measured trial, and runs one step at the answer (an
+error in a compiled program can end the process); on JAX it runs no step
+at all, and bisects over `memory_analysis()` of Keras' own train step
+compiled for each batch asked about, against the memory in use (or the
+step's arguments, where the device keeps no statistics), as `MemoryGuard`
+plans on JAX. Before the first trial every weight, optimizer variable
+(slots and the step counter) and metric variable is copied; afterwards
+all are put back, bit for bit.
+
+The search is the same code on every backend; what it asks of the
+backend (a trial step, its out-of-memory error, the compiled step's
+memory) is the backend's `finder` module
+(`keras_memguard.backends.current().batch_size_finder()`).
 """
 
-import gc
 import logging
 import time
 from typing import NamedTuple, Optional, Tuple
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras import tree
 
+from keras_memguard import backends
 from keras_memguard import decider
 from keras_memguard import oom_explanation
 from keras_memguard.callbacks.sampling import resolve_limits
+from keras_memguard.compiled_plan import plan_micro_batches
 from keras_memguard.errors import MemoryLimitUnknownError
 from keras_memguard.errors import MicroBatchTooLargeError
-from keras_memguard.backends.tensorflow import region
-from keras_memguard.backends.tensorflow.probe import AllocatorProbe
-from keras_memguard.backends.tensorflow.replay import sample_size_of
-from keras_memguard.backends.tensorflow import compat
-from keras_memguard.backends.tensorflow import xla_memory
-from keras_memguard.backends.tensorflow.setup import gradient_bytes
-from keras_memguard.backends.tensorflow.step import build_training_state
+from keras_memguard.errors import UnsupportedTrainingSetupError
 
 __all__ = ["BatchSizeResult", "BatchTrial", "find_batch_size"]
 
@@ -80,6 +87,8 @@ GAP_SHARE = 0.5
 # this share of the target.
 STALL_SHARE = 0.5
 _MIB = 1024 * 1024
+# The compiled search's largest step up from a batch that fits.
+MAX_GROWTH = 64
 # Steps per trial. Batches the input pipeline prefetches take memory
 # between steps, and where they land splits the free memory: a step can
 # fail after two ran (the 64x64x3 CNN at 142 under 600 MiB failed its
@@ -89,6 +98,11 @@ TRIAL_STEPS = 4
 
 class BatchTrial(NamedTuple):
     """One measured training step of `find_batch_size`.
+
+    On JAX no step runs: a trial is the memory analysis of the train step
+    compiled at its batch, `predicted_peak_bytes` what that analysis says
+    the step needs beside what is in use, and `peak_bytes` the same where
+    it fits under `threshold` of the limit (`None` where it does not).
 
     Attributes:
         batch_size: Samples in the step.
@@ -112,11 +126,13 @@ class BatchSizeResult(NamedTuple):
     """What `find_batch_size` found.
 
     Attributes:
-        largest_batch_size: The batch to train with. On XLA, the largest
+        largest_batch_size: The batch to train with. On XLA (and on JAX,
+            where no step runs), the largest
             whose compiled step fits under `threshold` of the limit (a step
-            at it ran). Otherwise `tolerance` below the largest batch whose
-            trial steps ran: at the very top, whether a batch trains
-            depends on where the input pipeline's batches land in memory.
+            at it ran on TensorFlow). Otherwise `tolerance` below the
+            largest batch whose trial steps ran (on PyTorch, that batch):
+            at the very top, whether a batch trains depends on where the
+            input pipeline's batches land in TensorFlow's allocator.
         measured_peak_bytes: The measured peak of the largest trial that ran.
         predicted_peak_bytes: The peak the memory model predicts for it.
         limit_bytes: The device memory limit searched against.
@@ -172,8 +188,9 @@ def find_batch_size(
         model: A compiled Keras model.
         x: The input `fit` will get: a numpy array or tensor, or a list or
             dict of them (at least one sample), a batched `tf.data.Dataset`
-            (re-batch it at the answer) or a `keras.utils.PyDataset` (make
-            it with the answer as its batch size).
+            (on TensorFlow; re-batch it at the answer) or a
+            `keras.utils.PyDataset` (make it with the answer as its batch
+            size).
         y: Targets, in the same form as array `x`, or `None` (always `None`
             with a dataset). Defaults to `None`.
         sample_weight: Sample weights, or `None`. Defaults to `None`.
@@ -186,11 +203,14 @@ def find_batch_size(
             share of the largest measured one, in (0, 1). Defaults to `0.05`.
         max_batch_size: The largest batch to consider, or `None` for no
             bound. Defaults to `None`.
-        max_trials: At most this many training steps, an integer >= 2.
-            Defaults to `8`.
+        max_trials: At most this many training steps, an integer >= 2. On
+            JAX, where no step runs, the compiled analyses are not bounded
+            by it. Defaults to `8`.
         memory_limit: The device memory limit in bytes, or `None` to
             resolve it as `MemoryGuard` does. A trial that peaks above it
-            counts as one that ran out of memory. Defaults to `None`.
+            counts as one that ran out of memory. Required on JAX's CPU
+            (no memory statistics) and on PyTorch's CPU without a cgroup or
+            address-space limit. Defaults to `None`.
         verbose: `1` logs each trial at INFO level, `0` is silent.
             Defaults to `1`.
 
@@ -201,6 +221,8 @@ def find_batch_size(
         ValueError: If an argument is out of range, or `x` holds no sample.
         MemoryLimitUnknownError: If no memory limit can be resolved.
         MicroBatchTooLargeError: If a step of one sample does not fit.
+        UnsupportedTrainingSetupError: On JAX, if the device gives no
+            memory analysis of a compiled step.
 
     Example:
 
@@ -212,36 +234,46 @@ def find_batch_size(
     ```
     """
     _validate(threshold, tolerance, max_batch_size, max_trials, batch_size, verbose)
-    source = _TrialInput(x, y, sample_weight)
-    probe = AllocatorProbe()
+    protocol = backends.current()
+    backend = protocol.batch_size_finder()
+    source = _TrialInput(x, y, sample_weight, backend)
+    probe = protocol.make_probe()
+    # No warning about a limit the probe cannot read when it is given here.
+    probe.limits_given_elsewhere(memory_limit)
     limits = [l for l in resolve_limits(probe, memory_limit) if l]
     if not limits:
         raise MemoryLimitUnknownError(
             "find_batch_size needs the device memory limit, which could not "
-            f"be read for {probe.devices}. HINT: pass memory_limit=<bytes>."
+            f"be read for {probe.devices}{backend.LIMIT_UNKNOWN}. HINT: pass "
+            "memory_limit=<bytes>."
         )
     limit = float(min(limits))
     target = threshold * limit
-    region.reserve_bfc_regions(probe)
+    backend.prepare_process(probe)
     first = source.first_sample()
-    build_training_state(model, first)
+    backend.build_state(model, first)
+    sample_size = backend.sample_size(first) or 1.0
+    if backend.SEARCH == "compiled":
+        return _compiled_search(
+            model, backend, probe, first, limit, threshold, max_batch_size,
+            batch_size, sample_size, verbose,
+        )
     saved = _save_state(model)
-    sample_size = sample_size_of(first[0]) or 1.0
     # What a fresh process holds before `fit` builds its input: the memory
     # in use before the first trial. Later trials are measured from the
     # memory in use before each, so what an earlier one left behind (traced
     # functions, pieces of its input) does not count against the answer.
     baseline = None
-    compiled = xla_memory.uses_xla(model)
+    compiled = backend.uses_compiled_step(model)
     config = decider.make_config(threshold=threshold)
     state = decider.init(
         config,
-        fixed_bytes=gradient_bytes(model),
+        fixed_bytes=backend.gradient_bytes(model),
         sample_bytes=oom_explanation.layer_output_bytes(model),
     )
     upper = max_batch_size or float("inf")
     # The gradients: memory every step holds at once, whatever the batch.
-    floor = gradient_bytes(model)
+    floor = backend.gradient_bytes(model)
     trials = []
     errors = 0
     best = None  # (batch_size, peak, predicted)
@@ -249,10 +281,10 @@ def find_batch_size(
         size = int(min(FIRST_TRIAL, upper))
         predicted = None
         while len(trials) < max_trials:
-            in_use, input_bytes, peak, seconds = _trial(model, probe, source, size)
+            in_use, input_bytes, peak, seconds = backend.run_trial(model, probe, source, size)
             if baseline is None:
                 baseline, fit_input_bytes = in_use, input_bytes
-            elif peak is not None:
+            elif peak is not None and backend.PEAK_FROM_IN_USE:
                 peak = baseline + (peak - in_use)
             in_use = baseline
             trial = BatchTrial(size, in_use, predicted, peak, seconds)
@@ -309,7 +341,7 @@ def find_batch_size(
                 # answer confirms it (an error inside an XLA program can
                 # leave the process unable to go on).
                 room = target - baseline - fit_input_bytes
-                found, needed = _largest_compiled(model, source, room, best[0], upper)
+                found, needed = backend.largest_compiled(model, source, room, best[0], upper)
                 if found is None:
                     compiled = False  # Not readable here: measure instead.
                 elif found <= best[0]:
@@ -327,7 +359,7 @@ def find_batch_size(
             )
             if largest <= measured * (1.0 + tolerance) or largest < 1:
                 break
-            if _peaks_stalled(trials, target):
+            if backend.PEAK_STALL_IS_ROUNDING and _peaks_stalled(trials, target):
                 # A larger batch peaked no higher: a block the allocator
                 # rounded up, not the samples, sets the peak here, and the
                 # batch that outgrows it jumps past any line (a few samples
@@ -368,7 +400,7 @@ def find_batch_size(
     fitted = _line(state)
     last_in_use = trials[-1].in_use_bytes
     largest, peak, predicted = best
-    if not compiled and largest > 1:
+    if not compiled and backend.TOP_VARIES and largest > 1:
         # At the top, whether a batch trains depends on where the input
         # pipeline's prefetched batches land in memory: the same batch ran
         # in one fresh process and failed in the next. `tolerance` of it
@@ -398,6 +430,157 @@ def find_batch_size(
         micro_batches=micro_batches,
         trials=tuple(trials),
         out_of_memory_errors=errors,
+    )
+
+
+def _compiled_search(model, backend, probe, first, limit, threshold, max_batch_size,
+                     batch_size, sample_size, verbose):
+    """The search where every step is compiled before it runs (JAX).
+
+    Bisects over the memory analyses of the model's own train step
+    compiled at each batch asked about: doubling from `FIRST_TRIAL` until a
+    batch does not fit, then halving the gap to the largest that does. A
+    batch fits when what is in use before the step (the step's arguments,
+    where the device keeps no statistics) plus what the step allocates
+    stays under `threshold` of the limit, as `MemoryGuard` plans on JAX.
+    Nothing runs, so nothing needs putting back.
+    """
+    analyse = backend.step_analyser(model, first)
+    target = threshold * limit
+    in_use = [s.current_bytes for s in probe.sample() if s.current_bytes is not None]
+    in_use = float(max(in_use)) if in_use else None
+    config = decider.make_config(threshold=threshold)
+    state = decider.init(
+        config,
+        fixed_bytes=backend.gradient_bytes(model),
+        sample_bytes=oom_explanation.layer_output_bytes(model),
+    )
+    upper = max_batch_size or float("inf")
+    trials = []
+    best = None  # (batch_size, usage, in use)
+    low, high = 0, None
+    analysed = {}  # batch -> usage
+    sides = []  # whether each analysis fit, in order
+    size = int(min(FIRST_TRIAL, upper))
+    while True:
+        start = time.perf_counter()
+        memory = analyse(size)
+        seconds = time.perf_counter() - start
+        if memory is None:
+            raise UnsupportedTrainingSetupError(
+                "find_batch_size plans from XLA's memory analysis of the "
+                "compiled train step, which this device does not give "
+                f"({', '.join(probe.devices)}). HINT: find the batch size "
+                "on a GPU, or train with MemoryGuard, which replays a batch "
+                "that runs out of memory."
+            )
+        before = max(in_use or 0.0, float(memory.argument_bytes))
+        usage = before + memory.demand_bytes
+        fits = usage < target
+        trial = BatchTrial(size, before, usage, usage if fits else None, seconds)
+        trials.append(trial)
+        if verbose:
+            _log_analysis(trial, limit)
+        analysed[size] = usage
+        if fits:
+            low = size
+            best = (size, usage, before)
+            _, state = decider.observe(
+                config,
+                state,
+                decider.Reading(size, 1, sample_size, before, usage, limit),
+            )
+        else:
+            high = size
+        sides.append(fits)
+        size = _next_compiled(analysed, low, high, upper, target, sides)
+        if size is None:
+            break
+    if best is None:
+        raise MicroBatchTooLargeError(
+            "One sample does not fit in one training step: its compiled step "
+            f"needs {trials[-1].predicted_peak_bytes / _MIB:.1f} MiB of "
+            f"{limit / _MIB:.1f} MiB (target {threshold:.0%}). HINT: use mixed "
+            "precision, a smaller model or input, or a device with more memory.",
+            limit_bytes=limit,
+        )
+    largest, usage, before = best
+    micro_batches = None
+    if batch_size is not None:
+        # Never a micro-batch larger than the largest batch that fits.
+        fewest = -(-batch_size // largest)
+        micro_batches = fewest
+        if fewest > 1:
+            planned = plan_micro_batches(
+                lambda k: analyse(batch_size, k),
+                batch_size,
+                limit,
+                threshold=threshold,
+                in_use_bytes=in_use,
+                min_micro_batches=fewest,
+            )
+            micro_batches = max(fewest, planned.micro_batches)
+    fitted = _line(state)
+    return BatchSizeResult(
+        largest_batch_size=largest,
+        measured_peak_bytes=usage,
+        predicted_peak_bytes=usage,
+        limit_bytes=limit,
+        in_use_bytes=before,
+        fixed_bytes=fitted[0],
+        bytes_per_sample=fitted[1] * sample_size,
+        batch_size=batch_size,
+        micro_batches=micro_batches,
+        trials=tuple(trials),
+        out_of_memory_errors=0,
+    )
+
+
+def _next_compiled(analysed, low, high, upper, target, sides):
+    """The next batch to analyse in the compiled search, or `None` when done.
+
+    A compiled step's memory grows close to linearly with the batch, so the
+    next batch is where the line through two analyses reaches `target`:
+    while no batch failed to fit, one past the line's largest fitting batch
+    from the last two analyses (at most `MAX_GROWTH` times the largest that
+    fits, doubling before two exist); once the edge is bracketed, the
+    line's point between the largest batch that fits and the smallest that
+    does not (bisection after two analyses on the same side in a row).
+    Done when they are one apart, or nothing larger may be asked about.
+    """
+    if high is None:
+        if low >= upper:
+            return None
+        if low == 0:
+            return None  # Not reached: the first analysis did not fit.
+        below = sorted(b for b in analysed if b < low)
+        size = 2 * low
+        if below:
+            previous = below[-1]
+            slope = (analysed[low] - analysed[previous]) / (low - previous)
+            if slope > 0:
+                size = int((target - analysed[low]) / slope) + low + 1
+        size = max(low + 1, min(size, MAX_GROWTH * low))
+        return int(min(size, upper))
+    if high - low <= 1:
+        return None
+    if low == 0 or sides[-2:] in ([True, True], [False, False]):
+        return (low + high) // 2
+    share = (target - analysed[low]) / (analysed[high] - analysed[low])
+    size = low + int(share * (high - low))
+    return min(max(size, low + 1), high - 1)
+
+
+def _log_analysis(trial, limit):
+    logger.info(
+        "find_batch_size: batch %d's compiled step needs %.1f MiB of %.1f MiB "
+        "(%.0f%%)%s, %.2f s",
+        trial.batch_size,
+        trial.predicted_peak_bytes / _MIB,
+        limit / _MIB,
+        100 * trial.predicted_peak_bytes / limit,
+        "" if trial.peak_bytes is not None else ": does not fit",
+        trial.seconds,
     )
 
 
@@ -436,19 +619,21 @@ class _TrialInput:
     pipeline's buffers and the arrays held are then the ones `fit` has.
     """
 
-    def __init__(self, x, y, sample_weight):
-        if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
+    def __init__(self, x, y, sample_weight, backend):
+        self.backend = backend
+        dataset = backend.is_dataset(x)
+        if dataset or isinstance(x, keras.utils.PyDataset):
             if y is not None or sample_weight is not None:
                 raise ValueError(
                     f"`y` and `sample_weight` must be None when `x` is a "
                     f"{type(x).__name__} (it yields them). Received: "
                     f"y={_type_name(y)}, sample_weight={_type_name(sample_weight)}"
                 )
-            self.kind = "dataset" if isinstance(x, tf.data.Dataset) else "py_dataset"
+            self.kind = "dataset" if dataset else "py_dataset"
             self.batches = x
         else:
             self.kind = "arrays"
-            self.arrays = tree.map_structure(_as_array, (x, y, sample_weight))
+            self.arrays = tree.map_structure(self._as_array, (x, y, sample_weight))
             if not _sample_count(self.arrays):
                 raise ValueError(
                     "`x` must hold at least one sample. Received: x with no samples"
@@ -471,7 +656,7 @@ class _TrialInput:
                 return self.arrays
             return _slice(self.arrays, size)
         if self.kind == "dataset":
-            return self.batches.unbatch().repeat().batch(size), None, None
+            return self.backend.rebatched(self.batches, size), None, None
         return _ServedInBatches(self._samples(TRIAL_STEPS * size), size), None, None
 
     def steps(self, size):
@@ -486,7 +671,9 @@ class _TrialInput:
         held = 0
         for batch in self._cycle():
             batch = keras.utils.unpack_x_y_sample_weight(batch)
-            batch = tree.map_structure(_as_array, tuple(batch) + (None,) * (3 - len(batch)))
+            batch = tree.map_structure(
+                self._as_array, tuple(batch) + (None,) * (3 - len(batch))
+            )
             parts.append(batch)
             held += _sample_count(batch)
             if held >= count:
@@ -495,11 +682,16 @@ class _TrialInput:
             lambda *leaves: None if leaves[0] is None else np.concatenate(leaves), *parts
         )
 
+    def _as_array(self, value):
+        if value is None or isinstance(value, np.ndarray):
+            return value
+        return self.backend.as_array(value)
+
     def _cycle(self):
         while True:
             produced = False
             if self.kind == "dataset":
-                batches = self.batches.as_numpy_iterator()
+                batches = self.backend.dataset_batches(self.batches)
             else:
                 batches = (self.batches[i] for i in range(len(self.batches)))
             for batch in batches:
@@ -533,14 +725,6 @@ def _type_name(value):
     return "None" if value is None else type(value).__name__
 
 
-def _as_array(value):
-    if value is None or isinstance(value, np.ndarray):
-        return value
-    if isinstance(value, tf.Tensor):
-        return value.numpy()
-    return np.asarray(value)
-
-
 def _sample_count(arrays):
     counts = [len(a) for a in tree.flatten(arrays) if a is not None and a.ndim]
     return min(counts) if counts else 0
@@ -558,92 +742,6 @@ def _slice(arrays, size):
 
     x, y, sample_weight = tree.map_structure(take, arrays)
     return x, y, sample_weight
-
-
-def _trial(model, probe, source, size):
-    """`(in_use, peak, seconds)` of a trial at `size`; `peak` None on OOM.
-
-    As `fit` in a fresh process would run it: a train function traced anew
-    (at this batch size), fed by Keras' own data adapter, whose memory
-    counts from before the input is built.
-    """
-    gc.collect()
-    model.make_train_function(force=True)
-    function = model.train_function
-    probe.reset()
-    in_use = _largest(probe.sample(), "current_bytes")
-    start = time.perf_counter()
-    iterator = None
-    input_bytes = 0.0
-    try:
-        adapter = compat.data_adapter(*source.adapter_arguments(size), batch_size=size)
-        iterator = iter(adapter.get_tf_dataset())
-        input_bytes = max(_largest(probe.sample(), "current_bytes") - in_use, 0.0)
-        for _ in range(source.steps(size)):
-            function(iterator)
-    except tf.errors.ResourceExhaustedError:
-        return in_use, input_bytes, None, time.perf_counter() - start
-    finally:
-        del iterator
-    seconds = time.perf_counter() - start
-    return in_use, input_bytes, _largest(probe.sample(), "peak_bytes"), seconds
-
-
-def _largest_compiled(model, source, room, ran, upper):
-    """`(batch, bytes)`: the largest batch whose XLA step fits in `room`.
-
-    From XLA's buffer assignment of the model's own train step compiled
-    for each batch tried (nothing runs): the step's outputs and
-    temporaries plus the batch itself, which `fit` holds as the step's
-    argument. Doubling from `ran` (a batch that ran), then bisection.
-    `(None, 0.0)` when the compiled program cannot be read here.
-    """
-    step = tf.function(model.train_step, jit_compile=True)
-    sample = source.first_sample()
-
-    def demand(size):
-        # A batch of zeros in the device's memory, not samples copied on the
-        # host: at the top of a large device a batch is gigabytes. Where
-        # even the batch does not fit, neither does the step.
-        try:
-            batch = tree.map_structure(
-                lambda a: a if a is None
-                else tf.zeros((size,) + a.shape[1:], a.dtype) if a.ndim
-                else tf.constant(a),
-                sample,
-            )
-        except tf.errors.ResourceExhaustedError:
-            return float("inf")
-        except (TypeError, ValueError):
-            return None  # Not a dtype XLA takes: measure instead.
-        held = sum(
-            float(np.prod(t.shape)) * t.dtype.size
-            for t in tree.flatten(batch) if t is not None
-        )
-        data = keras.utils.pack_x_y_sample_weight(*(p for p in batch if p is not None))
-        memory = xla_memory.step_memory(step, data, 1)
-        return None if memory is None else memory.demand_bytes + held
-
-    fits, fitting = ran, demand(ran)
-    if fitting is None:
-        return None, 0.0
-    low, high = ran, None
-    # Doubling until a batch does not fit, then bisection.
-    while (low < upper) if high is None else (high - low > 1):
-        size = int(min(2 * low, upper)) if high is None else (low + high) // 2
-        needed = demand(size)
-        if needed is None:
-            return None, 0.0
-        if needed <= room:
-            low, fits, fitting = size, size, needed
-        else:
-            high = size
-    return fits, fitting
-
-
-def _largest(samples, field):
-    values = [getattr(s, field) for s in samples if getattr(s, field) is not None]
-    return float(max(values)) if values else 0.0
 
 
 def _peaks_stalled(trials, target):

@@ -13,10 +13,14 @@ A backend's `protocol` module provides:
 - `NAME`: the Keras backend's name.
 - `make_probe(devices=None, memory_limit=None)`: the memory probe (its
   samples are `keras_memguard.probes.base.AllocatorSample`s).
-- `training_run(guard, log_key)`: the run of one `fit` under `MemoryGuard`
-  (`begin`, `end`, `begin_epoch`, `after_train_batch`,
-  `micro_batch_size`).
-- `inference_run(guard, kind)`: the run of one `evaluate` or `predict`
+- `training_run(session, fit, log_key)`: the run of one `fit` under
+  `MemoryGuard` (`begin`, `end`, `begin_epoch`, `after_train_batch`,
+  `micro_batch_size`). `session` is the guard's
+  `keras_memguard.callbacks.session.GuardSession` (its model, controller,
+  reader, limits, writer and options: all a run reads or changes), `fit`
+  identifies the `fit` (the callbacks' shared `params`), `log_key` is the
+  logs key the micro-batch count goes under.
+- `inference_run(session, kind)`: the run of one `evaluate` or `predict`
   (`after_batch`, `end`), or `None` where that call runs unguarded.
 - `mixin_class()`: that backend's `MemGuardMixin`.
 - `VALIDATION_IN_FIT`: whether `fit`'s validation is guarded by the
@@ -25,6 +29,25 @@ A backend's `protocol` module provides:
 - `PROFILES_SPIKES`: whether `MemoryMonitor(profile_spikes=...)` works,
   and where it does, `spike_profiler(log_dir, spike_fraction,
   max_profiles)`, its tracer.
+- `batch_size_finder()`: the backend's `finder` module, what
+  `find_batch_size` asks of it: `SEARCH` (`"trials"`: real trial steps;
+  `"compiled"`: compiled steps' memory analyses, nothing run),
+  `PEAK_FROM_IN_USE`, `PEAK_STALL_IS_ROUNDING`, `TOP_VARIES`,
+  `LIMIT_UNKNOWN`, `prepare_process(probe)`, `build_state(model, first)`,
+  `sample_size(first)`,
+  `gradient_bytes(model)`, `is_dataset(x)`, `dataset_batches(dataset)`,
+  `rebatched(dataset, size)`, `as_array(value)`,
+  `uses_compiled_step(model)`, and for trials `run_trial(model, probe,
+  source, size)` and `largest_compiled(model, source, room, ran, upper)`,
+  for a compiled search `step_analyser(model, first)`.
+- `advice()`: the backend's `advice` module, what `advise`'s measuring
+  child asks of it: `NAME`, `UNAVAILABLE` (`{variant: reason}` for the
+  variants the backend does not have), `unsupported(model)`,
+  `prepare(model, name)`, `apply_variant(model, name)` (variants beyond
+  the dtype policies), `search_threshold(name, threshold)`,
+  `search_context(model)`, `guarded(name, fits)`,
+  `training_note(name, guarded)`, `training_data(x, y, steps)` and
+  `step_peak(model, x, y, micro_batches, measured_bytes)`.
 
 Adding a backend is a folder here and one line in `_REGISTERED`.
 """

@@ -4,8 +4,9 @@ The callback is glue: Keras' hooks hand each `fit` to its backend's run
 (`keras_memguard.backends.current()`, picked once as Keras picks its
 trainer) and each `evaluate` or `predict` to an inference run; the
 decisions are the controller's (`controller.py`, over the pure decider),
-the words are in `messages.py` and `oom_report.py`. The guard keeps what
-outlives one call: the controller, the step count, the writer, the reader.
+the words are in `messages.py` and `oom_report.py`. What outlives one
+call (the controller, the step count, the writer, the reader) is in the
+guard's `GuardSession` (`session.py`), which each run is handed.
 """
 
 import keras
@@ -13,17 +14,11 @@ import keras
 from keras_memguard import backends
 from keras_memguard.callbacks import guard_options
 from keras_memguard.callbacks import inference
-from keras_memguard.callbacks import messages
-from keras_memguard.callbacks.controller import GuardController
-from keras_memguard.callbacks.sampling import resolve_limits
-from keras_memguard.callbacks.sampling import shared_reader
-from keras_memguard.errors import MemoryLimitUnknownError
+from keras_memguard.callbacks.session import GuardOptions
+from keras_memguard.callbacks.session import GuardSession
 from keras_memguard.sinks import tensorboard as tb
 
 MICRO_BATCHES_LOG_KEY = "micro_batches"
-# The scalars written per batch, in `_write_scalars`' order; the threshold
-# draws its line in the dashboard's usage chart.
-_SCALAR_TAGS = (tb.MICRO_BATCHES, tb.MICRO_BATCH_SIZE, tb.OOM_RECOVERIES, tb.THRESHOLD)
 
 
 class MemoryGuard(keras.callbacks.Callback):
@@ -109,6 +104,9 @@ class MemoryGuard(keras.callbacks.Callback):
 
     `k` and the counters persist across epochs and `fit` calls. To resume them
     with `keras.callbacks.BackupAndRestore`, give both the same directory.
+    They live in `session` (a `keras_memguard.callbacks.session.GuardSession`,
+    with the step count, the limits and the options), which each backend's
+    run is handed.
 
     Args:
         threshold: Usage (peak / limit) never planned at or above; when
@@ -198,7 +196,7 @@ class MemoryGuard(keras.callbacks.Callback):
         escalate=(),
     ):
         super().__init__()
-        self.config = guard_options.decider_config(
+        config = guard_options.decider_config(
             threshold, release, mode, max_micro_batches, cooldown, micro_batches,
             memory_limit, plan, escalate, scale_learning_rate=scale_learning_rate,
             plan_cache=plan_cache, reserve_memory=reserve_memory,
@@ -212,24 +210,30 @@ class MemoryGuard(keras.callbacks.Callback):
         self.scale_learning_rate = scale_learning_rate
         self.log_dir = log_dir
         self.backup_dir = backup_dir
-        self._start_micro_batches = micro_batches
-        self.controller = GuardController(
-            self.config, micro_batches if not plan else None, self.escalate, backup_dir
+        options = GuardOptions(
+            mode=mode, plan=plan, plan_cache=plan_cache, escalate=self.escalate,
+            reserve_memory=reserve_memory, scale_learning_rate=scale_learning_rate,
+            memory_limit=memory_limit, micro_batches=micro_batches, log_dir=log_dir,
+            backup_dir=backup_dir,
+        )  # fmt: skip
+        # What outlives one call, handed to each run.
+        self.session = GuardSession(
+            config, options, tb.writer_for(log_dir) if log_dir is not None else None
         )
-        self._writer = tb.writer_for(log_dir) if log_dir is not None else None
-        self._reader = None
-        self._limits = ()
-        # The `fit` now (a `TfTrainingRun` or `JaxTrainingRun`), or None.
+        # The `fit` now (its backend's training run), or None.
         self._run = None
-        # `evaluate` / `predict` outside `fit`: the run now, and one
-        # controller per kind, kept between calls.
+        # `evaluate` / `predict` outside `fit`: the run now, or None.
         self._inference = None
-        self._inference_controllers = {}
-        self._started = False
-        self._has_restored_state = False
-        self._step = 0
-        self._dumps = None
-        self.last_oom_explanation = None
+
+    @property
+    def config(self):
+        """The decider's configuration (a `keras_memguard.decider.DeciderConfig`)."""
+        return self.session.config
+
+    @property
+    def controller(self):
+        """The `GuardController` that plans, observes and replays training."""
+        return self.session.controller
 
     @property
     def state(self):
@@ -257,46 +261,49 @@ class MemoryGuard(keras.callbacks.Callback):
 
         `fit`'s validation and `model.evaluate(callbacks=[guard])` together.
         """
-        controller = self._inference_controllers.get(inference.EVALUATE)
-        inferred = controller.state.oom_count if controller is not None else 0
+        inferred = self.session.inference_oom_count(inference.EVALUATE)
         return self.controller.state.eval_oom_count + inferred
 
     @property
     def predict_oom_recoveries(self):
         """How many times `predict` ran out of memory and went on in slices."""
-        controller = self._inference_controllers.get(inference.PREDICT)
-        return controller.state.oom_count if controller is not None else 0
+        return self.session.inference_oom_count(inference.PREDICT)
 
     @property
     def rungs_on(self):
         """The rungs of `escalate` switched on, a tuple of names."""
         return self.controller.rungs_on
 
+    @property
+    def last_oom_explanation(self):
+        """The `OomExplanation` of the last out-of-memory error, or `None`."""
+        return self.session.last_oom_explanation
+
     def set_model(self, model):
         super().set_model(model)
-        self._reader = shared_reader(model)
-        self._reader.register(self, self.memory_limit)
+        self.session.attach(model)
 
     # Keras' hooks: each hands over to the run of its backend.
 
     def on_train_begin(self, logs=None):
         backend = backends.current()
-        self._limits = self._resolve_limits()
-        self._load_state()
-        self._run = backend.training_run(self, MICRO_BATCHES_LOG_KEY)
+        session = self.session
+        session.resolve_limits()
+        session.load_state()
+        self._run = backend.training_run(session, self.params, MICRO_BATCHES_LOG_KEY)
         self._run.begin()
-        self._reader.reset()
-        if self._writer is not None:
-            self._writer.acquire(self)
+        session.reset_peaks()
+        if session.writer is not None:
+            session.writer.acquire(self)
 
     def on_train_end(self, logs=None):
         if self._run is not None:
             self._run.end()
             self._run = None
-        self._save_plan()
-        self._close_dumps()
-        if self._writer is not None:
-            self._writer.release(self)
+        self.session.save_plan()
+        self.session.close_dumps()
+        if self.session.writer is not None:
+            self.session.writer.release(self)
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._run is not None:
@@ -305,10 +312,10 @@ class MemoryGuard(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             logs[MICRO_BATCHES_LOG_KEY] = self.micro_batches
-        self._save_state()
-        self._save_plan()
-        if self._writer is not None:
-            self._writer.flush()
+        self.session.save_state()
+        self.session.save_plan()
+        if self.session.writer is not None:
+            self.session.writer.flush()
 
     def on_train_batch_end(self, batch, logs=None):
         if self._run is not None:
@@ -328,7 +335,7 @@ class MemoryGuard(keras.callbacks.Callback):
         if self._run is not None and backends.current().VALIDATION_IN_FIT:
             self._run.end_validation()
             # Validation's peak must not count as the next training batch's.
-            self._reader.reset()
+            self.session.reset_peaks()
         else:
             self._end_inference()
 
@@ -346,48 +353,12 @@ class MemoryGuard(keras.callbacks.Callback):
 
     def _begin_inference(self, kind):
         backend = backends.current()
-        self._limits = self._resolve_limits()
-        self._inference = backend.inference_run(self, kind)
+        self.session.resolve_limits()
+        self._inference = backend.inference_run(self.session, kind)
 
     def _end_inference(self):
         if self._inference is not None:
             self._inference.end()
             self._inference = None
         if self._run is None:
-            self._close_dumps()
-
-    # Shared by the runs.
-
-    def _resolve_limits(self):
-        probe = self._reader.probe
-        limits = resolve_limits(probe, self.memory_limit)
-        if not any(limits):
-            raise MemoryLimitUnknownError(
-                messages.memory_limit_unknown(probe.devices, keras.backend.backend())
-            )
-        return limits
-
-    def _close_dumps(self):
-        if self._dumps is not None:
-            self._dumps.close()
-            self._dumps = None
-
-    def _write_scalars(self):
-        """Queues the batch's row; the writer's thread encodes it."""
-        k = self.micro_batches
-        size = self._run.micro_batch_size(k) if self._run is not None else None
-        row = (k, size, self.oom_recoveries, self.config.threshold)
-        self._writer.write_values(self._step, _SCALAR_TAGS, row)
-
-    def _save_state(self):
-        self.controller.save_state(self._step)
-
-    def _load_state(self):
-        step = self.controller.load_state()
-        if step is not None:
-            self._step = step
-            self._has_restored_state = True
-
-    def _save_plan(self):
-        if self.plan and self._started:
-            self.controller.save_plan()
+            self.session.close_dumps()

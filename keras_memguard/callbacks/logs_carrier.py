@@ -84,7 +84,15 @@ class LogsCarrier:
         """The registered owners, in the order they attached."""
         return tuple(self._contributors)
 
-    def _add(self, owner, contribute, fit):
+    def add(self, owner, contribute, fit):
+        """Registers `contribute` for `owner` (see `attach`, which calls it).
+
+        Args:
+            owner: The registering object; one registration each.
+            contribute: Called as `contribute(logs)` after every call.
+            fit: What identifies the current `fit`. Registrations and the
+                inner function of an earlier `fit` are dropped first.
+        """
         if fit is not self._fit:
             # A new `fit`: what a `fit` that raised (and so never ran
             # `on_train_end`) left behind is dropped.
@@ -94,7 +102,8 @@ class LogsCarrier:
         self._contributors[owner] = contribute
         self._call_list = tuple(self._contributors.values())
 
-    def _remove(self, owner):
+    def remove(self, owner):
+        """Unregisters `owner`, if registered (see `detach`, which calls it)."""
         self._contributors.pop(owner, None)
         self._call_list = tuple(self._contributors.values())
 
@@ -130,7 +139,7 @@ def attach(model, owner, contribute, fit=None):
         functions.set_train_function(model, carrier)
         # The epoch logs stay the metrics' results beside the added keys.
         compat.choose_metrics_results_beside(model, lambda: carrier.added_keys)
-    carrier._add(owner, contribute, fit)
+    carrier.add(owner, contribute, fit)
     return carrier
 
 
@@ -178,7 +187,7 @@ def detach(model, owner):
     carrier = current(model)
     if carrier is None:
         return
-    carrier._remove(owner)
-    if not carrier._contributors:
+    carrier.remove(owner)
+    if not carrier.contributors:
         functions.set_train_function(model, carrier.original)
         compat.restore_metrics_results_choice(model)

@@ -7,7 +7,7 @@ with `log_dir`, writes `<log_dir>/memguard/oom-<step>.json`;
 micro-batch count can help; `compiled_step_error` and
 `compiled_step_too_large` stop `fit` where an XLA step ran out of memory or
 would at every count. Shared by `fit`, `evaluate` and `predict`, on
-every backend.
+every backend; each takes the guard's `GuardSession` (`session.py`).
 """
 
 import logging
@@ -23,31 +23,32 @@ from keras_memguard.sinks import tensorboard as tb
 logger = logging.getLogger("keras_memguard")
 
 
-def explain(guard, error, batch_size, micro_batches):
+def explain(session, error, batch_size, micro_batches):
     """Why the batch ran out of memory, from the allocator's dump."""
-    dump = guard._dumps.take_latest() if guard._dumps is not None else None
-    limits = [limit for limit in guard._limits or () if limit]
+    dump = session.take_latest_dump()
+    limits = [limit for limit in session.limits or () if limit]
     return oom_explanation.explain(
         getattr(error, "message", None) or str(error),
         dump,
-        guard.model,
-        step=guard._step + 1,
+        session.model,
+        step=session.step + 1,
         batch_size=batch_size,
         micro_batches=micro_batches,
         limit_bytes=min(limits) if limits else None,
     )
 
 
-def report(guard, explanation):
+def report(session, explanation):
     """One WARNING line, and `<log_dir>/memguard/oom-<step>.json`."""
-    guard.last_oom_explanation = explanation
+    session.last_oom_explanation = explanation
     text = oom_explanation.describe(explanation)
     if explanation.replayed_with is not None:
         text += f"; replaying with {decider.micro_batches_text(explanation.replayed_with)}"
-    if guard.log_dir is not None:
+    log_dir = session.options.log_dir
+    if log_dir is not None:
         try:
             path = oom_explanation.write(
-                explanation, os.path.join(guard.log_dir, tb.RUN_NAME), text
+                explanation, os.path.join(log_dir, tb.RUN_NAME), text
             )
             text += f" ({path})"
         except OSError as write_error:
@@ -56,7 +57,7 @@ def report(guard, explanation):
 
 
 def cannot_split_error(
-    guard,
+    session,
     decided,
     batch_size,
     micro_batches,
@@ -70,12 +71,12 @@ def cannot_split_error(
     can be used on the model, else why not (training on TensorFlow), or
     `messages.NO_RUNGS`; so is `accumulation`.
     """
-    samples = guard._reader.read(guard, None)
+    samples = session.read()
     peak = max((s.peak_bytes or 0 for s in samples), default=0) or None
-    limit = max((l or 0 for l in guard._limits), default=0) or None
+    limit = max((l or 0 for l in session.limits), default=0) or None
     prefix = "Validation: " if evaluating else ""
     if decided.cannot_split == decider.CANNOT_SPLIT_BATCH_SIZE:
-        controller = guard.controller
+        controller = session.controller
         tried = controller.rungs_on + tuple(
             f"{rung} (not possible: {reason})"
             for rung, reason in controller.rungs_refused.items()
@@ -85,7 +86,7 @@ def cannot_split_error(
             micro_batches,
             peak,
             limit,
-            guard.escalate,
+            session.options.escalate,
             tried,
             remat_refusal=remat_refusal,
             accumulation=accumulation,
@@ -101,21 +102,22 @@ def cannot_split_error(
 WEIGHTS_FILE = "memguard_out_of_memory.weights.h5"
 
 
-def save_weights_for_restart(guard):
+def save_weights_for_restart(session):
     """Saves the model's weights under `backup_dir`; the path, or `None`."""
-    if guard.backup_dir is None:
+    backup_dir = session.options.backup_dir
+    if backup_dir is None:
         return None
-    path = os.path.join(guard.backup_dir, WEIGHTS_FILE)
+    path = os.path.join(backup_dir, WEIGHTS_FILE)
     try:
-        os.makedirs(guard.backup_dir, exist_ok=True)
-        guard.model.save_weights(path)
+        os.makedirs(backup_dir, exist_ok=True)
+        session.model.save_weights(path)
     except Exception as error:  # noqa: BLE001 - the error to raise is the OOM's.
         logger.warning("weights not saved to %s: %s", path, error)
         return None
     return path
 
 
-def compiled_step_error(guard, explanation, weights_path, call="fit"):
+def compiled_step_error(session, explanation, weights_path, call="fit"):
     """The `CompiledStepOutOfMemoryError` that ends `call` after an XLA step's OOM."""
     head = (
         f"An XLA-compiled step of `{call}` ran out of memory at step {explanation.step} "
@@ -147,9 +149,9 @@ def compiled_step_error(guard, explanation, weights_path, call="fit"):
     return CompiledStepOutOfMemoryError(message, weights_path=weights_path)
 
 
-def compiled_step_too_large(guard, planned, batch_size, in_use_bytes):
+def compiled_step_too_large(session, planned, batch_size, in_use_bytes):
     """The error for an XLA step no count fits, raised before it runs."""
-    limit = guard.controller.limit_bytes
+    limit = session.controller.limit_bytes
     memory = planned.memory
     peak = None if memory is None else (in_use_bytes or 0) + memory.demand_bytes
     message = (

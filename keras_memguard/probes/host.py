@@ -32,7 +32,7 @@ _fork_hook_registered = False
 
 def _forget_files_in_child():
     for probe in list(_open_probes):
-        probe._forget_file()
+        probe.forget_file()
 
 
 def _register_fork_hook():
@@ -141,9 +141,14 @@ class HostMemoryProbe:
         if not already:
             logger.info("host memory (RSS) is not logged: %s", why)
 
-    def _forget_file(self):
-        # In a forked child: the descriptor reads the parent's statm; close
-        # the child's copy and open afresh on the next reading.
+    def forget_file(self):
+        """Drops the open file without reading it; the next reading opens it afresh.
+
+        For a forked child (the module's fork hook calls it there): the
+        inherited descriptor still reads the parent's `/proc/<pid>/statm`,
+        and the inherited lock may be held by a thread that does not exist
+        in the child, so both are replaced.
+        """
         fd, self._fd = self._fd, None
         if fd is not None:
             try:

@@ -134,6 +134,27 @@ class NvmlProbe:
         self._warn_once()
         return {ordinal: index for ordinal, _, index, _ in self._targets}
 
+    @property
+    def message(self):
+        """Why NVML reads no GPU, or skips some, in words; `None` when all is well.
+
+        Set once NVML was started (by `start` or the first reading).
+        """
+        return self._message
+
+    def start(self, warn=True):
+        """Starts NVML and maps the GPUs now, once.
+
+        Args:
+            warn: Whether `message` is still warned about (or logged) at the
+                first use. `False` for a caller that folds `message` into a
+                warning of its own. Defaults to `True`.
+        """
+        if not self._started:
+            self._start()
+        if not warn:
+            self._warned = True
+
     def sample(self):
         """Reads every mapped GPU once.
 

@@ -530,4 +530,4 @@ def test_backup_dir_keeps_the_count_and_the_step_across_fits(tmp_path):
     again = keras_memguard.MemoryGuard(memory_limit=1 << 40, plan=False, backup_dir=str(tmp_path))
     history = model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[again])
     assert history.history["micro_batches"] == [4]
-    assert again._step == 10  # 5 batches in each fit
+    assert again.session.step == 10  # 5 batches in each fit

@@ -12,18 +12,18 @@ def make_probe(devices=None, memory_limit=None):
     return JaxMemoryProbe(devices=devices, memory_limit=memory_limit)
 
 
-def training_run(guard, log_key):
-    """The run of one `fit` under `guard` (`JaxTrainingRun`)."""
+def training_run(session, fit, log_key):
+    """The run of one `fit` with the guard's `GuardSession` (`JaxTrainingRun`)."""
     from keras_memguard.backends.jax.run import JaxTrainingRun
 
-    return JaxTrainingRun(guard, min(l for l in guard._limits if l), log_key)
+    return JaxTrainingRun(session, fit, log_key)
 
 
-def inference_run(guard, kind):
+def inference_run(session, kind):
     """The run of one `evaluate` or `predict`."""
     from keras_memguard.backends.jax import run
 
-    return run.inference_run(guard, kind)
+    return run.inference_run(session, kind)
 
 
 def mixin_class():
@@ -31,3 +31,17 @@ def mixin_class():
     from keras_memguard.backends.jax.mixin import MemGuardMixin
 
     return MemGuardMixin
+
+
+def batch_size_finder():
+    """What `find_batch_size` asks of JAX (its `finder` module)."""
+    from keras_memguard.backends.jax import finder
+
+    return finder
+
+
+def advice():
+    """What `advise`'s measuring child asks of JAX (its `advice` module)."""
+    from keras_memguard.backends.jax import advice as module
+
+    return module

@@ -32,7 +32,6 @@ from keras_memguard import decider
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks import messages
 from keras_memguard.callbacks import oom_report
-from keras_memguard.callbacks.controller import GuardController
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.backends.jax.compiled import StepCache
 from keras_memguard.backends.jax.compiled import shape_key
@@ -71,15 +70,15 @@ def _kept(model, limit_bytes, config):
     return kept[1], kept[2]
 
 
-def unsupported_options(guard):
-    """The guard's options the JAX backend cannot honour, in words, or `None`."""
+def unsupported_options(options):
+    """The `GuardOptions` the JAX backend cannot honour, in words, or `None`."""
     refused = []
     # "auto" accumulates: without "shrink" there is nothing to switch to.
-    if guard.mode not in ("accumulate", "auto"):
-        refused.append(f"mode={guard.mode!r}")
-    if guard.escalate:
-        refused.append(f"escalate={guard.escalate!r}")
-    if guard.scale_learning_rate:
+    if options.mode not in ("accumulate", "auto"):
+        refused.append(f"mode={options.mode!r}")
+    if options.escalate:
+        refused.append(f"escalate={options.escalate!r}")
+    if options.scale_learning_rate:
         refused.append("scale_learning_rate=True")
     if not refused:
         return None
@@ -95,18 +94,21 @@ class JaxTrainingRun:
     """One `fit` of a model under `MemoryGuard`, on the JAX backend.
 
     Args:
-        guard: The `MemoryGuard` (its controller, reader, limit and options).
-        limit_bytes: The device memory limit planned against.
+        session: The guard's `GuardSession` (its controller, reader,
+            limits and options); the smallest of its limits is planned
+            against.
+        fit: What identifies this `fit` (the callbacks' shared `params`).
         log_key: The logs key the micro-batch count is reported under.
     """
 
-    def __init__(self, guard, limit_bytes, log_key):
-        self.guard = guard
+    def __init__(self, session, fit, log_key):
+        self.session = session
+        self.fit = fit
         self.log_key = log_key
-        self.model = guard.model
-        self.limit_bytes = float(limit_bytes)
+        self.model = session.model
+        self.limit_bytes = float(session.smallest_limit)
         # Shape key -> the count planned (or replayed) for it.
-        self.cache, self.planned = _kept(self.model, self.limit_bytes, guard.config)
+        self.cache, self.planned = _kept(self.model, self.limit_bytes, session.config)
         # Bytes beyond the analysis that measured peaks showed (a margin).
         self.margin_bytes = 0
         self.function = None
@@ -135,37 +137,35 @@ class JaxTrainingRun:
     def begin(self):
         """Checks the model and options; installs the replaying function."""
         model = self.model
-        reason = unsupported_options(self.guard)
+        session = self.session
+        reason = unsupported_options(session.options)
         if reason is not None:
             raise UnsupportedTrainingSetupError(reason)
         check_supported(model)
-        guard = self.guard
-        if not guard._started:
-            guard.controller.start(self.limit_bytes, 0, 0)
-            guard._started = True
+        if not session.started:
+            session.start(self.limit_bytes, 0, 0)
         self.function = ReplayingTrainFunction(
             model,
-            micro_batches=guard.micro_batches,
+            micro_batches=session.micro_batches,
             cache=self.cache,
             plan=self._plan,
             on_out_of_memory=self._on_out_of_memory,
         )
         self._carrier, self._previous_inner = logs_carrier.train_inside(
-            model, guard, self._contribute, guard.params, self.function
+            model, session, self._contribute, self.fit, self.function
         )
 
     def end(self):
         """Puts the train function in place before back."""
         logs_carrier.leave(
-            self.model, self.guard, self._carrier, self.function, self._previous_inner
+            self.model, self.session, self._carrier, self.function, self._previous_inner
         )
         self._carrier = None
         self.function = None
 
     def _plan(self, state, data):
         """The count for the batch about to run (the function's `plan`)."""
-        reader = self.guard._reader
-        samples = reader.read(self.guard, None)  # resets the peak
+        samples = self.session.read()  # resets the peak
         self._before = _in_use(samples)
         key = self._key = shape_key(data)
         k = self.planned.get(key)
@@ -173,8 +173,8 @@ class JaxTrainingRun:
             self._memory = self.cache.analysed(k, data)
             self._set_count(k)
             return k
-        if not self.guard.plan:
-            k = self.guard.micro_batches
+        if not self.session.options.plan:
+            k = self.session.micro_batches
         else:
             k = self._plan_new_shape(state, data)
         self.planned[key] = k
@@ -183,8 +183,8 @@ class JaxTrainingRun:
 
     def _plan_new_shape(self, state, data):
         batch_size = batch_size_of(data)
-        config = self.guard.config
-        previous = self.guard.micro_batches
+        config = self.session.config
+        previous = self.session.micro_batches
         decided = _plan_from_analysis(
             lambda k: self.cache.memory(k, state, data),
             batch_size,
@@ -211,7 +211,7 @@ class JaxTrainingRun:
         return decided.micro_batches
 
     def _set_count(self, k):
-        controller = self.guard.controller
+        controller = self.session.controller
         if controller.state.micro_batches != k:
             controller.set_micro_batches(k)
 
@@ -228,7 +228,7 @@ class JaxTrainingRun:
         in_use = self._before
         if in_use is None and failure.memory is not None:
             in_use = float(failure.memory.argument_bytes)
-        decided = self.guard.controller.fail(
+        decided = self.session.controller.fail(
             decider.Failure(
                 batch_size,
                 failure.micro_batches,
@@ -241,7 +241,7 @@ class JaxTrainingRun:
         )
         if decided.cannot_split is not None:
             raise oom_report.cannot_split_error(
-                self.guard, decided, batch_size, failure.micro_batches
+                self.session, decided, batch_size, failure.micro_batches
             ) from failure.error
         k = min(decided.micro_batches, batch_size)
         if failure.analyse is not None:
@@ -254,7 +254,7 @@ class JaxTrainingRun:
                 failure.analyse,
                 batch_size,
                 self.limit_bytes,
-                self.guard.config,
+                self.session.config,
                 self._before,
                 self.margin_bytes,
                 min(batch_size, failure.micro_batches + 1),
@@ -270,22 +270,21 @@ class JaxTrainingRun:
 
     def _contribute(self, logs):
         """After each train function call: margin, logs and scalars."""
-        guard = self.guard
-        reader = guard._reader
-        reader.read(guard, self._carrier.batch_key)
+        session = self.session
+        session.read(self._carrier.batch_key)
         # JAX cannot reset a device's peak: a sample's peak is the
         # high-water mark; the step's own peak is known only where the mark
         # rose during it (the interval since the read before the step).
         peak = max(
-            (p for p in reader.probe.interval_peaks() if p is not None), default=None
+            (p for p in session.probe.interval_peaks() if p is not None), default=None
         )
         excess = excess_bytes(self._memory, self._before, peak)
         if excess is not None and excess > self.margin_bytes:
             self.margin_bytes = excess
-        guard._step += self.function.last_call_batches
-        logs[self.log_key] = guard.micro_batches
-        if guard._writer is not None:
-            guard._write_scalars()
+        session.advance(self.function.last_call_batches)
+        logs[self.log_key] = session.micro_batches
+        if session.writer is not None:
+            session.write_scalars(self.micro_batch_size(session.micro_batches))
 
 
 # model -> {kind: (what the entry is valid for, sliced function, {shape: count})}.
@@ -294,9 +293,17 @@ _KEPT_INFERENCE = weakref.WeakKeyDictionary()
 _FUNCTIONS = {"evaluate": SlicedTestFunction, "predict": SlicedPredictFunction}
 
 
-def inference_run(guard, kind):
-    """Starts the run of an `evaluate` or `predict` call under `guard`."""
-    run = JaxInferenceRun(guard, kind, min(l for l in guard._limits if l))
+def inference_run(session, kind):
+    """Starts the run of an `evaluate` or `predict` call.
+
+    Args:
+        session: The guard's `GuardSession`.
+        kind: `"evaluate"` or `"predict"`.
+
+    Returns:
+        The started `JaxInferenceRun`.
+    """
+    run = JaxInferenceRun(session, kind, session.smallest_limit)
     run.begin()
     return run
 
@@ -305,20 +312,18 @@ class JaxInferenceRun:
     """One `evaluate` or `predict` (or `fit`'s validation) under `MemoryGuard`.
 
     Args:
-        guard: The `MemoryGuard`.
+        session: The guard's `GuardSession`.
         kind: `"evaluate"` or `"predict"`.
         limit_bytes: The device memory limit planned against.
     """
 
-    def __init__(self, guard, kind, limit_bytes):
-        self.guard = guard
+    def __init__(self, session, kind, limit_bytes):
+        self.session = session
         self.kind = kind
-        self.model = guard.model
+        self.model = session.model
         self.limit_bytes = float(limit_bytes)
-        self.controller = guard._inference_controllers.get(kind)
-        if self.controller is None:
-            self.controller = guard._inference_controllers[kind] = GuardController(guard.config)
-        valid_for = (id(self.model.optimizer), self.limit_bytes, guard.config)
+        self.controller = session.inference_controller(kind)
+        valid_for = (id(self.model.optimizer), self.limit_bytes, session.config)
         kept = _KEPT_INFERENCE.setdefault(self.model, {}).get(kind)
         if kept is None or kept[0] != valid_for:
             function = _FUNCTIONS[kind](
@@ -358,12 +363,12 @@ class JaxInferenceRun:
         if k is not None:
             return k
         batch_size = batch_size_of(data)
-        samples = self.guard._reader.read(self.guard, None)
+        samples = self.session.read()
         decided = _plan_from_analysis(
             lambda count: function.memory(count, state, data),
             batch_size,
             self.limit_bytes,
-            self.guard.config,
+            self.session.config,
             _in_use(samples),
             0,
             1,

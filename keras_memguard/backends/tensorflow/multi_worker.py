@@ -535,7 +535,10 @@ class MultiWorkerTrainFunction:
 
     def _build_whole_step(self, micro_batches):
         strategy = self.strategy
-        train_step = self.model._memguard_train_step_for(micro_batches, self.mode)
+        # `MemGuardMixin`'s hook, looked up by name as `step.step_body` does:
+        # the prefix keeps it clear of the user's own attributes.
+        pinned = getattr(self.model, "_memguard_train_step_for")
+        train_step = pinned(micro_batches, self.mode)
 
         def replica_step(data):
             return with_leading_axis(train_step(data))

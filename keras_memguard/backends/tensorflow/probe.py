@@ -460,8 +460,7 @@ class AllocatorProbe:
 
                     nvml = NvmlProbe()
                     # Fold NVML's own warning into the unknown-limit one.
-                    nvml._start()
-                    nvml._warned = True
+                    nvml.start(warn=False)
                 limit = nvml.total_bytes(physical_ordinal)
                 source = "nvml" if limit is not None else "unknown"
             else:
@@ -522,8 +521,8 @@ class AllocatorProbe:
         )
         if unknown:
             nvml_note = ""
-            if nvml is not None and nvml._message:
-                nvml_note = f" NVML could not help: {nvml._message}"
+            if nvml is not None and nvml.message:
+                nvml_note = f" NVML could not help: {nvml.message}"
             self._messages.append(
                 f"{join(unknown)}: no memory limit is known, so usage is None."
                 f"{nvml_note} {_LIMIT_HINT}"

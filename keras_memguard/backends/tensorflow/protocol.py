@@ -12,18 +12,18 @@ def make_probe(devices=None, memory_limit=None):
     return AllocatorProbe(devices=devices, memory_limit=memory_limit)
 
 
-def training_run(guard, log_key):
-    """The run of one `fit` under `guard` (`TfTrainingRun`)."""
+def training_run(session, fit, log_key):
+    """The run of one `fit` with the guard's `GuardSession` (`TfTrainingRun`)."""
     from keras_memguard.backends.tensorflow.run import TfTrainingRun
 
-    return TfTrainingRun(guard, log_key)
+    return TfTrainingRun(session, fit, log_key)
 
 
-def inference_run(guard, kind):
+def inference_run(session, kind):
     """The run of one `evaluate` or `predict`, or `None` where unguarded."""
     from keras_memguard.backends.tensorflow import run
 
-    return run.inference_run(guard, kind)
+    return run.inference_run(session, kind)
 
 
 def spike_profiler(log_dir, spike_fraction, max_profiles):
@@ -38,3 +38,17 @@ def mixin_class():
     from keras_memguard.backends.tensorflow.mixin import MemGuardMixin
 
     return MemGuardMixin
+
+
+def batch_size_finder():
+    """What `find_batch_size` asks of TensorFlow (its `finder` module)."""
+    from keras_memguard.backends.tensorflow import finder
+
+    return finder
+
+
+def advice():
+    """What `advise`'s measuring child asks of TensorFlow (its `advice` module)."""
+    from keras_memguard.backends.tensorflow import advice as module
+
+    return module

@@ -8,7 +8,8 @@ decider gives (or raises `MicroBatchTooLargeError`), climbs the rungs of
 `escalate`, and slices `fit`'s validation batches that run out of memory.
 The decisions are the controller's (`callbacks/controller.py`, over the
 pure `keras_memguard.decider`); what outlives one `fit` (the controller,
-the plan cache key, the step count, the writer) stays on the guard.
+the plan cache key, the step count, the writer) is in the guard's
+`GuardSession`, which the run is handed.
 """
 
 import functools
@@ -22,7 +23,6 @@ from keras_memguard.callbacks import inference
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks import messages
 from keras_memguard.callbacks import oom_report
-from keras_memguard.callbacks.controller import GuardController
 from keras_memguard.compiled_plan import excess_bytes
 from keras_memguard.compiled_plan import plan_micro_batches
 from keras_memguard.errors import UnsupportedTrainingSetupError
@@ -48,14 +48,16 @@ class TfTrainingRun:
     """One `fit` of a TensorFlow-backend model under `MemoryGuard`.
 
     Args:
-        guard: The `MemoryGuard` (its controller, reader, limits, writer
-            and options).
+        session: The guard's `GuardSession` (its controller, reader,
+            limits, writer and options).
+        fit: What identifies this `fit` (the callbacks' shared `params`).
         log_key: The logs key the micro-batch count is reported under.
     """
 
-    def __init__(self, guard, log_key):
-        self.guard = guard
-        self.model = guard.model
+    def __init__(self, session, fit, log_key):
+        self.session = session
+        self.model = session.model
+        self.fit = fit
         self.log_key = log_key
         self.function = None
         self.multi_worker = False
@@ -80,43 +82,36 @@ class TfTrainingRun:
 
     def begin(self):
         """Checks the model, starts the decider where no plan hook will, installs."""
-        guard, model = self.guard, self.model
+        session, model = self.session, self.model
         _check_model(model)
         self.multi_worker = multi_worker.is_multi_worker(model.distribute_strategy)
         self.xla = xla_memory.uses_xla(model) and not self.multi_worker
         carrier = logs_carrier.current(model)
-        if self.multi_worker and not guard._started:
-            if guard.config.predictive and trains_with_own_step(model):
+        if self.multi_worker and not session.started:
+            if session.config.predictive and trains_with_own_step(model):
                 # A step that cannot be split runs its collectives inside the
                 # micro-batch loop: every worker must keep the same count, so
                 # the workers react to agreed numbers after each batch.
-                guard.config = guard.config._replace(predictive=False)
-                guard.controller.config = guard.config
-                if not guard._has_restored_state:
-                    guard.controller.state = decider.init(
-                        guard.config, guard._start_micro_batches
-                    )
+                session.stop_planning()
             # The most constrained worker's limit; each worker's readings
             # are scaled to it as fractions of its own limit.
-            guard.controller.start(
-                agreement.agreed_limit(model.distribute_strategy, guard._limits),
+            session.start(
+                agreement.agreed_limit(model.distribute_strategy, session.limits),
                 gradient_bytes(model),
                 oom_explanation.layer_output_bytes(model),
             )
-            guard._started = True
-        elif not guard._started and not guard.plan:
+        elif not session.started and not session.options.plan:
             # No plan hook runs first: start from what is known now (the
             # layer outputs bound a replay's demand from below, as planning's).
-            guard.controller.start(
-                min(l for l in guard._limits if l),
+            session.start(
+                session.smallest_limit,
                 gradient_bytes(model),
                 oom_explanation.layer_output_bytes(model),
             )
-            guard._started = True
         options = dict(
-            micro_batches=guard.micro_batches,
+            micro_batches=session.micro_batches,
             # "auto" accumulates until the accumulators do not fit.
-            mode="accumulate" if guard.mode == "auto" else guard.mode,
+            mode="accumulate" if session.options.mode == "auto" else session.options.mode,
             on_out_of_memory=self.on_out_of_memory,
         )
         if self.multi_worker:
@@ -124,26 +119,30 @@ class TfTrainingRun:
             # workers; resets the train and test functions.
             multi_worker.prepare_multi_worker(model)
             logs_carrier.reinstall(model, carrier, model.train_function)
-            plan = self.plan_batch if guard.config.predictive else None
+            plan = self.plan_batch if session.config.predictive else None
             self.function = multi_worker.MultiWorkerTrainFunction(model, plan=plan, **options)
         else:
             self.function = ReplayTrainFunction(model, plan=self.plan_batch, **options)
-        if guard.reserve_memory and (guard.plan or guard.escalate) and not self.multi_worker:
+        if (
+            session.options.reserve_memory
+            and (session.options.plan or session.options.escalate)
+            and not self.multi_worker
+        ):
             # A rung climbed after an out-of-memory error needs it too: in a
             # grown allocator the error leaves no piece large enough.
-            region.reserve_bfc_regions(guard._reader.probe)
+            region.reserve_bfc_regions(session.probe)
         # The guard's function trains inside the model's logs carrier.
         self._carrier, self._previous_inner = logs_carrier.train_inside(
-            model, guard, self._contribute, guard.params, self.function
+            model, session, self._contribute, self.fit, self.function
         )
-        self.apply(guard.micro_batches)
+        self.apply(session.micro_batches)
         # The allocator's dump at an out-of-memory error explains it.
-        guard._dumps = oom_explanation.MemoryDumpCapture()
+        session.capture_dumps()
 
     def end(self):
         """Puts the train and test functions and the learning rate back."""
         logs_carrier.leave(
-            self.model, self.guard, self._carrier, self.function, self._previous_inner
+            self.model, self.session, self._carrier, self.function, self._previous_inner
         )
         self._carrier = None
         self.end_validation()
@@ -169,7 +168,7 @@ class TfTrainingRun:
             return
         self._eval_function = ReplayTestFunction(
             self.model,
-            micro_batches=self.guard.eval_micro_batches,
+            micro_batches=self.session.eval_micro_batches,
             on_out_of_memory=self.on_eval_out_of_memory,
         )
         self._eval_function.install()
@@ -188,21 +187,20 @@ class TfTrainingRun:
 
     def plan_batch(self, batch_size, sample_size, data):
         """The count the batch about to run gets (the function's `plan`)."""
-        guard = self.guard
-        controller = guard.controller
-        if not guard._started:
+        session = self.session
+        controller = session.controller
+        if not session.started:
             self._start(data)
-        reader = guard._reader
         if self.multi_worker:
             if self._agreed_in_use is None:
                 # The first batch: every worker reads and agrees now (the
                 # read also resets the peak, as below).
-                _, self._agreed_in_use = self._agreed_usage(reader.read(guard, None))
+                _, self._agreed_in_use = self._agreed_usage(session.read())
             # What every worker agreed on after the last batch.
             before = self._before = self._agreed_in_use
         else:
             # Reading resets the peak: the batch's own peak is read after it.
-            self._before = before = self._in_use(reader.read(guard, None))
+            self._before = before = self._in_use(session.read())
         if self.xla:
             # The compiled program is the plan; the decider's count is the
             # floor without `plan` (the user's, or one an error taught).
@@ -212,7 +210,7 @@ class TfTrainingRun:
         k = controller.plan(batch_size, sample_size, before)
         if (
             k >= batch_size
-            and guard.escalate
+            and session.options.escalate
             and not controller.one_sample_fits(batch_size, sample_size, before)
             and self._climb(
                 "one sample per micro-batch is predicted not to fit a batch of "
@@ -252,16 +250,16 @@ class TfTrainingRun:
         `plan`, counts below `k` are not tried. Returns `k` where the
         program cannot be read (the decider's plan then stands).
         """
-        guard, model = self.guard, self.model
-        controller = guard.controller
+        session, model = self.session, self.model
+        controller = session.controller
         limit = controller.limit_bytes
-        target = guard.config.threshold * limit
+        target = session.config.threshold * limit
         shapes = _shapes_of(data)
         planned = self._compiled_plans.get(shapes)
         in_use = before or 0
         if planned is not None and (
             in_use + planned.memory.demand_bytes + self._xla_margin >= target
-            or (not guard.plan and planned.micro_batches < k)
+            or (not session.options.plan and planned.micro_batches < k)
         ):
             planned = None
         if planned is None:
@@ -285,7 +283,7 @@ class TfTrainingRun:
             # The probes' blocks (a failed one reaches the limit) are not
             # the step's: its peak, and what it takes beyond the analysis,
             # are read from here.
-            guard._reader.read(guard, None)
+            session.read()
         self._compiled_plan = planned
         if controller.state.micro_batches != planned.micro_batches:
             controller.set_micro_batches(planned.micro_batches)
@@ -305,20 +303,20 @@ class TfTrainingRun:
         stops accumulating and the search starts again; otherwise
         `MicroBatchTooLargeError` is raised.
         """
-        guard = self.guard
-        start = 1 if guard.plan else k
+        session = self.session
+        start = 1 if session.options.plan else k
         # The largest count that failed the probe, the smallest that passed.
         lowest, failed, found = start, None, None
         while True:
             planned = plan_micro_batches(
                 analyse,
                 batch_size,
-                self.guard.controller.limit_bytes,
-                threshold=guard.config.threshold,
+                self.session.controller.limit_bytes,
+                threshold=session.config.threshold,
                 in_use_bytes=before,
                 margin_bytes=self._xla_margin,
                 min_micro_batches=min(lowest, batch_size),
-                max_micro_batches=guard.config.max_micro_batches,
+                max_micro_batches=session.config.max_micro_batches,
             )
             if planned.fits and (found is None or planned.micro_batches < found.micro_batches):
                 if xla_memory.allocates(planned.memory):
@@ -347,7 +345,7 @@ class TfTrainingRun:
                     f"{batch_size} beside the accumulators"
                 )
             ):
-                raise oom_report.compiled_step_too_large(guard, planned, batch_size, before)
+                raise oom_report.compiled_step_too_large(session, planned, batch_size, before)
             lowest, failed = start, None
 
     def _contribute(self, logs):
@@ -364,10 +362,10 @@ class TfTrainingRun:
 
     def _after_batch(self, batch, logs, key):
         """Gives the decider the batch's peak; applies a reacting change."""
-        guard = self.guard
-        guard._step += batch - self._last_batch
+        session = self.session
+        session.advance(batch - self._last_batch)
         self._last_batch = batch
-        samples = guard._reader.read(guard, key)
+        samples = session.read(key)
         peak, limit = self._peak(samples)
         function = self.function
         if function is not None and limit:
@@ -375,8 +373,8 @@ class TfTrainingRun:
             if self.multi_worker:
                 # The same numbers at the same step on every worker.
                 peak, self._agreed_in_use = self._agreed_usage(samples)
-                limit = guard.controller.limit_bytes
-            decided = guard.controller.observe(
+                limit = session.controller.limit_bytes
+            decided = session.controller.observe(
                 decider.Reading(
                     function.last_replica_batch_size or _UNKNOWN_BATCH_SIZE,
                     ran_with,
@@ -394,17 +392,17 @@ class TfTrainingRun:
             elif decided.changed:
                 messages.log_decision(decided, self._micro_batch_text(decided.micro_batches))
                 self.apply(decided.micro_batches)
-                guard._save_state()
+                session.save_state()
         if logs is not None:
-            logs[self.log_key] = guard.micro_batches
-        if guard._writer is not None:
-            guard._write_scalars()
+            logs[self.log_key] = session.micro_batches
+        if session.writer is not None:
+            session.write_scalars(self.micro_batch_size(session.micro_batches))
 
     def _peak(self, samples):
         """`(peak, limit)` of the device nearest its limit, or `(None, limit)`."""
         usage = None
-        found = (None, self.guard.controller.limit_bytes)
-        for sample, device_limit in zip(samples, self.guard._limits):
+        found = (None, self.session.controller.limit_bytes)
+        for sample, device_limit in zip(samples, self.session.limits):
             peak = sample.peak_bytes
             if peak is None or not device_limit:
                 continue
@@ -414,56 +412,56 @@ class TfTrainingRun:
         return found
 
     def _agreed_usage(self, samples):
-        guard = self.guard
+        session = self.session
         return agreement.agreed_usage(
-            self.model.distribute_strategy, samples, guard._limits, guard.controller.limit_bytes
+            self.model.distribute_strategy, samples, session.limits, session.controller.limit_bytes
         )
 
     def _in_use(self, samples):
         """Memory in use on the device planned against, or `None`."""
-        limit = self.guard.controller.limit_bytes
+        limit = self.session.controller.limit_bytes
         in_use = None
-        for sample, device_limit in zip(samples, self.guard._limits):
+        for sample, device_limit in zip(samples, self.session.limits):
             if device_limit == limit and sample.current_bytes is not None:
                 in_use = max(in_use or 0.0, float(sample.current_bytes))
         return in_use
 
     def _start(self, data):
         """Starts the decider for this `fit`: limit, fixed bytes, plan cache."""
-        guard = self.guard
+        session = self.session
         state = None
-        if guard.plan and guard.plan_cache and not guard._has_restored_state:
+        options = session.options
+        if options.plan and options.plan_cache and not session.has_restored_state:
             fields = describe_setup(
-                self.model, data, guard._reader.probe.devices, guard._limits, guard.mode
+                self.model, data, session.probe.devices, session.limits, options.mode
             )
-            state = guard.controller.load_plan(fields)
-        guard.controller.start(
-            min(l for l in guard._limits if l),
+            state = session.controller.load_plan(fields)
+        session.start(
+            session.smallest_limit,
             gradient_bytes(self.model),
             oom_explanation.layer_output_bytes(self.model),
             state,
         )
-        guard._started = True
 
     # Out of memory.
 
     def on_out_of_memory(self, batch_size, micro_batches, error):
         """Chooses the micro-batch count to replay a batch with, or raises."""
-        guard = self.guard
+        session = self.session
         function = self.function
         # Each replica splits its own part of the (global) batch.
         replica_batch_size = function.last_replica_batch_size or batch_size
-        explanation = oom_report.explain(guard, error, replica_batch_size, micro_batches)
+        explanation = oom_report.explain(session, error, replica_batch_size, micro_batches)
         if not self.multi_worker:  # the workers agreed on the reading before
             self._before = decider.in_use_beside_replay(
-                self._before, self._in_use(guard._reader.read(guard, None))
+                self._before, self._in_use(session.read())
             )
         failure = decider.Failure(
             replica_batch_size or _UNKNOWN_BATCH_SIZE,
             micro_batches,
             getattr(function, "last_sample_size", None) or 1.0,
             self._before,
-            guard.controller.limit_bytes,
+            session.controller.limit_bytes,
             explanation.in_use_bytes,
             explanation.failed_allocation_bytes,
             explanation.failed_shape,
@@ -473,23 +471,23 @@ class TfTrainingRun:
             failure = agreement.agreed_failure(
                 self.model.distribute_strategy,
                 failure,
-                min(l for l in guard._limits if l),
-                guard.controller.limit_bytes,
+                session.smallest_limit,
+                session.controller.limit_bytes,
             )
-        decided = guard.controller.fail(failure)
+        decided = session.controller.fail(failure)
         if self.xla:
             self._stop_compiled(explanation, error)
         if (
             decided.cannot_split == decider.CANNOT_SPLIT_BATCH_SIZE
-            and guard.escalate
+            and session.options.escalate
             and self._climb(
                 f"batch {batch_size} ran out of memory at one sample per micro-batch"
             )
         ):
-            guard.controller.count_replay()
-            guard.controller.set_micro_batches(micro_batches)
-            oom_report.report(guard, explanation._replace(replayed_with=micro_batches))
-            guard._save_state()
+            session.controller.count_replay()
+            session.controller.set_micro_batches(micro_batches)
+            oom_report.report(session, explanation._replace(replayed_with=micro_batches))
+            session.save_state()
             return micro_batches
         if (
             (
@@ -506,20 +504,20 @@ class TfTrainingRun:
             # The step without accumulators starts from a fresh plan (or,
             # reacting, from the count that failed: it only gets cheaper).
             new_k = micro_batches
-            if guard.plan and function.last_sample_size:
-                new_k = guard.controller.plan(
+            if session.options.plan and function.last_sample_size:
+                new_k = session.controller.plan(
                     replica_batch_size, function.last_sample_size, self._before
                 )
-            guard.controller.count_replay()
-            guard.controller.set_micro_batches(new_k)
-            oom_report.report(guard, explanation._replace(replayed_with=new_k))
+            session.controller.count_replay()
+            session.controller.set_micro_batches(new_k)
+            oom_report.report(session, explanation._replace(replayed_with=new_k))
             self.apply(new_k)
-            guard._save_state()
+            session.save_state()
             return new_k
         if decided.cannot_split:
-            oom_report.report(guard, explanation)
+            oom_report.report(session, explanation)
             raise oom_report.cannot_split_error(
-                guard,
+                session,
                 decided,
                 batch_size,
                 micro_batches,
@@ -531,11 +529,11 @@ class TfTrainingRun:
                 ),
             ) from error
         new_k = decided.micro_batches
-        oom_report.report(guard, explanation._replace(replayed_with=new_k))
+        oom_report.report(session, explanation._replace(replayed_with=new_k))
         messages.log_replay(batch_size, micro_batches, new_k, self._micro_batch_text(new_k))
         self.apply(new_k)
-        guard._save_state()
-        guard._save_plan()
+        session.save_state()
+        session.save_plan()
         return new_k
 
     def _stop_compiled(self, explanation, error):
@@ -546,12 +544,12 @@ class TfTrainingRun:
         learned goes to the plan cache and the state to `backup_dir`, with
         the weights, so a new run starts from them.
         """
-        guard = self.guard
-        oom_report.report(guard, explanation)
-        guard._save_state()
-        guard._save_plan()
-        weights_path = oom_report.save_weights_for_restart(guard)
-        raise oom_report.compiled_step_error(guard, explanation, weights_path) from error
+        session = self.session
+        oom_report.report(session, explanation)
+        session.save_state()
+        session.save_plan()
+        weights_path = oom_report.save_weights_for_restart(session)
+        raise oom_report.compiled_step_error(session, explanation, weights_path) from error
 
     def on_eval_out_of_memory(self, batch_size, micro_batches, error):
         """Chooses the slice count to go on evaluating with, or raises.
@@ -559,27 +557,27 @@ class TfTrainingRun:
         Only evaluation's count changes; training's `k` and
         `oom_recoveries` stay as they are.
         """
-        guard = self.guard
+        session = self.session
         if self.xla:
             # As for training: no replay after an error in an XLA program.
             self._stop_compiled(
-                oom_report.explain(guard, error, batch_size, micro_batches), error
+                oom_report.explain(session, error, batch_size, micro_batches), error
             )
-        decided = guard.controller.fail_evaluation(batch_size or 1, micro_batches)
+        decided = session.controller.fail_evaluation(batch_size or 1, micro_batches)
         if decided.cannot_split:
             raise oom_report.cannot_split_error(
-                guard, decided, batch_size, micro_batches, evaluating=True
+                session, decided, batch_size, micro_batches, evaluating=True
             ) from error
         new_k = decided.micro_batches
         done = self._eval_function.samples_done if self._eval_function else 0
-        messages.log_eval_slices(batch_size, micro_batches, done, new_k, guard.micro_batches)
-        guard._save_state()
+        messages.log_eval_slices(batch_size, micro_batches, done, new_k, session.micro_batches)
+        session.save_state()
         return new_k
 
     def _climb(self, why):
         """Switches on the next rung of `escalate`; whether one was."""
-        guard, model = self.guard, self.model
-        rung = guard.controller.next_rung(lambda rung: remat.can_remat(model))
+        session, model = self.session, self.model
+        rung = session.controller.next_rung(lambda rung: remat.can_remat(model))
         if rung is None:
             return False
         segments = remat.switch_on(model)
@@ -590,13 +588,13 @@ class TfTrainingRun:
     def _may_stop_accumulating(self):
         """Whether `mode="auto"` may still switch accumulation off."""
         return (
-            self.guard.mode == "auto"
+            self.session.options.mode == "auto"
             and self.function.mode == "accumulate"
             and not self.multi_worker
         )
 
     def _accumulation_fits(self, in_use):
-        controller = self.guard.controller
+        controller = self.session.controller
         # The decider's fixed bytes are the trainable weights' (`start`).
         return decider.accumulation_fits(
             in_use, controller.state.fixed_bytes, controller.limit_bytes
@@ -618,11 +616,11 @@ class TfTrainingRun:
         plan cache (a next run changes the step again before its first
         batch), and this run's later figures are not cached under it.
         """
-        guard = self.guard
-        if guard.plan:
-            guard._save_plan()
-            guard.controller.plan_key = None
-            guard.controller.restart_model()
+        session = self.session
+        if session.options.plan:
+            session.save_plan()
+            session.controller.plan_key = None
+            session.controller.restart_model()
 
     # Helpers.
 
@@ -633,7 +631,7 @@ class TfTrainingRun:
         if isinstance(self.model, MemGuardMixin):
             self.model.micro_batches = micro_batches
         shrinking = self.function is not None and self.function.mode == "shrink"
-        if shrinking and self.guard.scale_learning_rate:
+        if shrinking and self.session.options.scale_learning_rate:
             self._scale_learning_rate(micro_batches)
 
     def _scale_learning_rate(self, micro_batches):
@@ -654,9 +652,18 @@ class TfTrainingRun:
         return f"{size}"
 
 
-def inference_run(guard, kind):
-    """Starts the run of an `evaluate` or `predict` call; `None` where unsupported."""
-    model = guard.model
+def inference_run(session, kind):
+    """Starts the run of an `evaluate` or `predict` call; `None` where unsupported.
+
+    Args:
+        session: The guard's `GuardSession`.
+        kind: `"evaluate"` or `"predict"`.
+
+    Returns:
+        The started `InferenceRun`, or `None` where the model's
+        distribution strategy cannot be sliced.
+    """
+    model = session.model
     function_class = {
         inference.EVALUATE: ReplayTestFunction,
         inference.PREDICT: ReplayPredictFunction,
@@ -665,22 +672,18 @@ def inference_run(guard, kind):
         replicas = model.distribute_strategy.num_replicas_in_sync
         messages.log_inference_unsupported(kind, replicas)
         return None
-    controller = guard._inference_controllers.get(kind)
-    if controller is None:
-        controller = guard._inference_controllers[kind] = GuardController(guard.config)
-    if guard._dumps is None:
-        guard._dumps = oom_explanation.MemoryDumpCapture()
+    session.capture_dumps(new=False)
     run = inference.InferenceRun(
         kind,
         model,
-        controller,
-        guard._reader,
-        guard,
-        guard._limits,
-        functools.partial(oom_report.explain, guard),
-        functools.partial(oom_report.report, guard),
+        session.inference_controller(kind),
+        session.reader,
+        session,
+        session.limits,
+        functools.partial(oom_report.explain, session),
+        functools.partial(oom_report.report, session),
         stop_compiled=(
-            functools.partial(_stop_compiled_inference, guard, kind)
+            functools.partial(_stop_compiled_inference, session, kind)
             if xla_memory.uses_xla(model)
             else None
         ),
@@ -689,10 +692,10 @@ def inference_run(guard, kind):
     return run
 
 
-def _stop_compiled_inference(guard, kind, explanation, error):
+def _stop_compiled_inference(session, kind, explanation, error):
     """Ends `evaluate` or `predict` after an XLA step ran out of memory: no replay."""
-    oom_report.report(guard, explanation)
-    raise oom_report.compiled_step_error(guard, explanation, None, call=kind) from error
+    oom_report.report(session, explanation)
+    raise oom_report.compiled_step_error(session, explanation, None, call=kind) from error
 
 
 def _shapes_of(data):

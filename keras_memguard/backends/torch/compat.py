@@ -38,6 +38,8 @@ PRIVATE_NAMES = (
     ("keras.Model", "_compile_metrics"),
     ("keras.Model", "_call_has_training_arg"),
     ("CompileLoss", "_flat_losses"),
+    ("keras.src.backend.torch.trainer", "TorchEpochIterator"),
+    ("keras.Model", "_symbolic_build"),
 )
 
 
@@ -57,6 +59,17 @@ def torch_trainer_class():
     """Keras' `TorchTrainer`, whose `train_step` the mixin replaces."""
     module = importlib.import_module("keras.src.backend.torch.trainer")
     return _attribute(module, "TorchTrainer")
+
+
+def epoch_iterator_class():
+    """Keras' `TorchEpochIterator`: batches as torch `fit` yields them."""
+    module = importlib.import_module("keras.src.backend.torch.trainer")
+    return _attribute(module, "TorchEpochIterator")
+
+
+def symbolic_build(model, data):
+    """Builds the model's metrics and optimizer variables as `fit` does first."""
+    _attribute(type(model), "_symbolic_build")(model, data_batch=data)
 
 
 def batches_of(data):

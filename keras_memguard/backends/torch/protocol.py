@@ -12,14 +12,14 @@ def make_probe(devices=None, memory_limit=None):
     return TorchMemoryProbe(devices=devices, memory_limit=memory_limit)
 
 
-def training_run(guard, log_key):
-    """The run of one `fit` under `guard` (`TorchTrainingRun`)."""
+def training_run(session, fit, log_key):
+    """The run of one `fit` with the guard's `GuardSession` (`TorchTrainingRun`)."""
     from keras_memguard.backends.torch.run import TorchTrainingRun
 
-    return TorchTrainingRun(guard, log_key)
+    return TorchTrainingRun(session, fit, log_key)
 
 
-def inference_run(guard, kind):
+def inference_run(session, kind):
     """`None`: `evaluate` and `predict` run as Keras runs them, said once."""
     from keras_memguard.callbacks import messages
 
@@ -32,3 +32,17 @@ def mixin_class():
     from keras_memguard.backends.torch.mixin import MemGuardMixin
 
     return MemGuardMixin
+
+
+def batch_size_finder():
+    """What `find_batch_size` asks of PyTorch (its `finder` module)."""
+    from keras_memguard.backends.torch import finder
+
+    return finder
+
+
+def advice():
+    """What `advise`'s measuring child asks of PyTorch (its `advice` module)."""
+    from keras_memguard.backends.torch import advice as module
+
+    return module

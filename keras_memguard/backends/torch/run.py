@@ -35,11 +35,11 @@ from keras_memguard.errors import UnsupportedTrainingSetupError
 _MODES = {"accumulate": "accumulate", "auto": "accumulate", "shrink": "shrink"}
 
 
-def unsupported_options(guard):
-    """The guard's options the PyTorch backend cannot honour, in words, or `None`."""
+def unsupported_options(options):
+    """The `GuardOptions` the PyTorch backend cannot honour, in words, or `None`."""
     refused = []
-    if guard.escalate:
-        refused.append(f"escalate={guard.escalate!r}")
+    if options.escalate:
+        refused.append(f"escalate={options.escalate!r}")
     if not refused:
         return None
     return (
@@ -127,14 +127,17 @@ class TorchTrainingRun:
     """One `fit` of a model under `MemoryGuard`, on the PyTorch backend.
 
     Args:
-        guard: The `MemoryGuard` (its controller, reader, limits and options).
+        session: The guard's `GuardSession` (its controller, reader,
+            limits and options).
+        fit: What identifies this `fit` (the callbacks' shared `params`).
         log_key: The logs key the micro-batch count is reported under.
     """
 
-    def __init__(self, guard, log_key):
-        self.guard = guard
+    def __init__(self, session, fit, log_key):
+        self.session = session
+        self.fit = fit
         self.log_key = log_key
-        self.model = guard.model
+        self.model = session.model
         self.function = None
         self._carrier = None
         self._previous_inner = None
@@ -146,27 +149,27 @@ class TorchTrainingRun:
 
     def begin(self):
         """Checks the options; installs the replaying function in the carrier."""
-        guard = self.guard
-        reason = unsupported_options(guard)
+        session = self.session
+        reason = unsupported_options(session.options)
         if reason is not None:
             raise UnsupportedTrainingSetupError(reason)
-        if not guard._started and not guard.plan:
+        if not session.started and not session.options.plan:
             self._start(None)
         self.function = ReplayingTrainFunction(
             self.model,
-            micro_batches=guard.micro_batches,
+            micro_batches=session.micro_batches,
             plan=self._plan,
             on_out_of_memory=self._on_out_of_memory,
-            mode=_MODES[guard.mode],
+            mode=_MODES[session.options.mode],
         )
         self._carrier, self._previous_inner = logs_carrier.train_inside(
-            self.model, guard, self._contribute, guard.params, self.function
+            self.model, session, self._contribute, self.fit, self.function
         )
 
     def end(self):
         """Puts the train function in place before back."""
         logs_carrier.leave(
-            self.model, self.guard, self._carrier, self.function, self._previous_inner
+            self.model, self.session, self._carrier, self.function, self._previous_inner
         )
         self._carrier = None
         self.function = None
@@ -184,36 +187,35 @@ class TorchTrainingRun:
 
     def _start(self, data):
         """Starts the decider for this `fit`: limit, fixed bytes, plan cache."""
-        guard = self.guard
+        session = self.session
+        options = session.options
         state = None
-        if data is not None and guard.plan and guard.plan_cache and not guard._has_restored_state:
+        from_cache = data is not None and options.plan and options.plan_cache
+        if from_cache and not session.has_restored_state:
             fields = describe_setup(
-                self.model, data, guard._reader.probe.devices, guard._limits, guard.mode
+                self.model, data, session.probe.devices, session.limits, options.mode
             )
-            state = guard.controller.load_plan(fields)
-        guard.controller.start(
-            min(l for l in guard._limits if l), gradient_bytes(self.model), 0.0, state
-        )
-        guard._started = True
+            state = session.controller.load_plan(fields)
+        session.start(session.smallest_limit, gradient_bytes(self.model), 0.0, state)
 
     def _plan(self, data):
         """The count for the batch about to run (the function's `plan`)."""
-        guard = self.guard
-        if not guard._started:
+        session = self.session
+        if not session.started:
             self._start(data)
         # Reading resets the peak: the batch's own peak is read after it.
-        self._before = _in_use(guard._reader.read(guard, None))
+        self._before = _in_use(session.read())
         batch_size = self._batch_size = batch_size_of(data) or 1
         self._sample_size = sample_size_of(data)
-        if not guard.plan:
-            return guard.micro_batches
-        return guard.controller.plan(batch_size, self._sample_size, self._before)
+        if not session.options.plan:
+            return session.micro_batches
+        return session.controller.plan(batch_size, self._sample_size, self._before)
 
     def _on_out_of_memory(self, failure):
         """The count to replay a batch with, from the decider, or raises."""
-        guard = self.guard
-        controller = guard.controller
-        in_use = _in_use(guard._reader.read(guard, None))
+        session = self.session
+        controller = session.controller
+        in_use = _in_use(session.read())
         self._before = decider.in_use_beside_replay(self._before, in_use)
         decided = controller.fail(
             decider.Failure(
@@ -228,7 +230,7 @@ class TorchTrainingRun:
         )
         if decided.cannot_split is not None:
             raise oom_report.cannot_split_error(
-                guard, decided, failure.batch_size, failure.micro_batches
+                session, decided, failure.batch_size, failure.micro_batches
             ) from failure.error
         k = min(decided.micro_batches, failure.batch_size)
         messages.log_replay(
@@ -238,10 +240,10 @@ class TorchTrainingRun:
 
     def _contribute(self, logs):
         """After each train function call: the decider learns, logs and scalars."""
-        guard = self.guard
-        samples = guard._reader.read(guard, self._carrier.batch_key)
+        session = self.session
+        samples = session.read(self._carrier.batch_key)
         function = self.function
-        controller = guard.controller
+        controller = session.controller
         if function is not None and controller.limit_bytes and self._batch_size:
             decided = controller.observe(
                 decider.Reading(
@@ -253,12 +255,12 @@ class TorchTrainingRun:
                     controller.limit_bytes,
                 )
             )
-            if not guard.plan and decided.changed:
+            if not session.options.plan and decided.changed:
                 messages.log_decision(decided, str(self.micro_batch_size(decided.micro_batches)))
                 function.micro_batches = decided.micro_batches
-                guard._save_state()
-        guard._step += 1
+                session.save_state()
+        session.advance(1)
         if logs is not None:
-            logs[self.log_key] = guard.micro_batches
-        if guard._writer is not None:
-            guard._write_scalars()
+            logs[self.log_key] = session.micro_batches
+        if session.writer is not None:
+            session.write_scalars(self.micro_batch_size(session.micro_batches))

@@ -1,0 +1,286 @@
+"""What one `MemoryGuard` keeps across calls and hands to each run.
+
+A guard's runs (the glue of one `fit`, `evaluate` or `predict` on a
+backend, `keras_memguard.backends`) share what outlives any one of them:
+the controller that holds the decider's state, the allocator reader and
+the limits it resolved, the TensorBoard writer, the step count, the
+allocator's dump capture and one controller per kind of inference. The
+`GuardSession` holds all of it behind public names, with the guard's
+options as an immutable `GuardOptions`; the guard makes one and hands it
+to every run, and no run reaches into the guard itself.
+"""
+
+from typing import NamedTuple, Optional, Tuple
+
+import keras
+
+from keras_memguard import decider
+from keras_memguard import oom_explanation
+from keras_memguard.callbacks import messages
+from keras_memguard.callbacks.controller import GuardController
+from keras_memguard.callbacks.sampling import resolve_limits
+from keras_memguard.callbacks.sampling import shared_reader
+from keras_memguard.errors import MemoryLimitUnknownError
+from keras_memguard.sinks import tensorboard as tb
+
+# The scalars written per batch, in `write_scalars`' order; the threshold
+# draws its line in the dashboard's usage chart.
+SCALAR_TAGS = (tb.MICRO_BATCHES, tb.MICRO_BATCH_SIZE, tb.OOM_RECOVERIES, tb.THRESHOLD)
+
+
+class GuardOptions(NamedTuple):
+    """`MemoryGuard`'s options as its runs read them (see `MemoryGuard`).
+
+    Attributes:
+        mode: `"accumulate"`, `"shrink"` or `"auto"`.
+        plan: Whether each batch is planned before it runs.
+        plan_cache: Whether the plan cache is read and written.
+        escalate: The rungs the guard may climb, a tuple of names.
+        reserve_memory: Whether the BFC allocator's region is reserved
+            before the first batch.
+        scale_learning_rate: Whether the learning rate is divided by `k`
+            in `"shrink"` mode.
+        memory_limit: The user's memory limit (bytes, a dict from device
+            string to bytes, or `None`).
+        micro_batches: The count to start with when nothing is restored.
+        log_dir: The TensorBoard directory, or `None`.
+        backup_dir: The directory the state is kept in, or `None`.
+    """
+
+    mode: str = "accumulate"
+    plan: bool = True
+    plan_cache: bool = True
+    escalate: Tuple[str, ...] = ()
+    reserve_memory: bool = True
+    scale_learning_rate: bool = False
+    memory_limit: object = None
+    micro_batches: int = 1
+    log_dir: Optional[str] = None
+    backup_dir: Optional[str] = None
+
+
+class GuardSession:
+    """The state a `MemoryGuard` shares with its runs, behind public names.
+
+    Made once per guard. `attach` binds it to the model of each `fit`
+    (the allocator reader is per model); `resolve_limits` reads the limits
+    at the start of each call; the runs read and write the rest through
+    the methods below. The session is also the consumer the shared reader
+    knows the guard by, and the owner the model's logs carrier knows.
+
+    Args:
+        config: The decider's `DeciderConfig`.
+        options: A `GuardOptions`.
+        writer: The TensorBoard writer of `options.log_dir`, or `None`.
+            Defaults to `None`.
+
+    Attributes:
+        options: The `GuardOptions`, fixed for the session's life.
+        config: The decider's `DeciderConfig` (reacting instead of planning
+            after `stop_planning`).
+        controller: The `GuardController` of training.
+        writer: The TensorBoard writer, or `None`.
+        model: The Keras model `attach` was given, or `None`.
+        reader: The model's `SharedAllocatorReader`, or `None` before
+            `attach`.
+        limits: The memory limit of each of the reader's devices (bytes,
+            or `None` where unknown), from the last `resolve_limits`.
+        step: The training steps run so far (restored from `backup_dir`).
+        last_oom_explanation: The `OomExplanation` of the last
+            out-of-memory error, or `None`.
+
+    Example:
+
+    ```python
+    session = GuardSession(config, GuardOptions(plan=False))
+    session.attach(model)
+    session.resolve_limits()
+    session.start(session.smallest_limit)
+    ```
+    """
+
+    def __init__(self, config, options, writer=None):
+        self.options = options
+        self.config = config
+        self.controller = GuardController(
+            config,
+            options.micro_batches if not options.plan else None,
+            options.escalate,
+            options.backup_dir,
+        )
+        self.writer = writer
+        self.model = None
+        self.reader = None
+        self.limits = ()
+        self.step = 0
+        self.last_oom_explanation = None
+        self._started = False
+        self._restored = False
+        self._dumps = None
+        # `evaluate` / `predict`: one controller per kind, kept between calls.
+        self._inference_controllers = {}
+
+    # The model and its limits.
+
+    def attach(self, model):
+        """Binds the session to `model` and registers with its shared reader."""
+        self.model = model
+        self.reader = shared_reader(model)
+        self.reader.register(self, self.options.memory_limit)
+
+    def resolve_limits(self):
+        """Reads the limit of each device into `limits`.
+
+        Returns:
+            The limits, a list of bytes (or `None`) per device.
+
+        Raises:
+            MemoryLimitUnknownError: If no device's limit is known.
+        """
+        probe = self.reader.probe
+        limits = resolve_limits(probe, self.options.memory_limit)
+        if not any(limits):
+            raise MemoryLimitUnknownError(
+                messages.memory_limit_unknown(probe.devices, keras.backend.backend())
+            )
+        self.limits = limits
+        return limits
+
+    @property
+    def smallest_limit(self):
+        """The smallest known limit in `limits`: the one planned against."""
+        return min(limit for limit in self.limits if limit)
+
+    @property
+    def probe(self):
+        """The reader's memory probe."""
+        return self.reader.probe
+
+    def read(self, key=None):
+        """The reader's samples for this session (see `SharedAllocatorReader.read`).
+
+        Args:
+            key: Identifies the batch read (a carrier's `batch_key`), or
+                `None` for a reading of its own, which resets the peaks.
+                Defaults to `None`.
+
+        Returns:
+            A tuple of `AllocatorSample`, one per device.
+        """
+        return self.reader.read(self, key)
+
+    def reset_peaks(self):
+        """Resets the allocator peaks (see `SharedAllocatorReader.reset`)."""
+        self.reader.reset()
+
+    # The decider's state.
+
+    @property
+    def micro_batches(self):
+        """The number of micro-batches each training batch is split into now."""
+        return self.controller.state.micro_batches
+
+    @property
+    def eval_micro_batches(self):
+        """The number of slices each validation batch is evaluated in now."""
+        return self.controller.state.eval_micro_batches
+
+    @property
+    def started(self):
+        """Whether the controller was started (`start`) for training."""
+        return self._started
+
+    @property
+    def has_restored_state(self):
+        """Whether `load_state` found a state saved under `backup_dir`."""
+        return self._restored
+
+    def start(self, limit_bytes, fixed_bytes=0.0, sample_bytes=0.0, state=None):
+        """Starts the controller for training (`GuardController.start`) and marks it started."""
+        self.controller.start(limit_bytes, fixed_bytes, sample_bytes, state)
+        self._started = True
+
+    def stop_planning(self):
+        """Reacts to each batch's peak from now on instead of planning it.
+
+        The configuration stops predicting; without a restored state, the
+        decider starts again from `options.micro_batches`, as a guard made
+        with `plan=False` would.
+        """
+        self.config = self.config._replace(predictive=False)
+        self.controller.config = self.config
+        if not self._restored:
+            self.controller.state = decider.init(self.config, self.options.micro_batches)
+
+    def advance(self, steps):
+        """Counts `steps` more training steps."""
+        self.step += steps
+
+    def save_state(self):
+        """Saves the controller's state and the step under `backup_dir`."""
+        self.controller.save_state(self.step)
+
+    def load_state(self):
+        """Goes on from the state saved under `backup_dir`, if any."""
+        step = self.controller.load_state()
+        if step is not None:
+            self.step = step
+            self._restored = True
+
+    def save_plan(self):
+        """Keeps what was learned in the plan cache, when planning and started."""
+        if self.options.plan and self._started:
+            self.controller.save_plan()
+
+    def inference_controller(self, kind):
+        """The controller of `evaluate` or `predict`, made on first use.
+
+        Args:
+            kind: `"evaluate"` or `"predict"`.
+
+        Returns:
+            A `GuardController` kept for the session's life.
+        """
+        controller = self._inference_controllers.get(kind)
+        if controller is None:
+            controller = self._inference_controllers[kind] = GuardController(self.config)
+        return controller
+
+    def inference_oom_count(self, kind):
+        """How many times `kind` ran out of memory and went on in slices."""
+        controller = self._inference_controllers.get(kind)
+        return controller.state.oom_count if controller is not None else 0
+
+    # What is written.
+
+    def write_scalars(self, micro_batch_size):
+        """Queues the batch's row of scalars, where there is a writer.
+
+        Args:
+            micro_batch_size: Samples in one micro-batch, or `None`.
+        """
+        if self.writer is None:
+            return
+        state = self.controller.state
+        row = (state.micro_batches, micro_batch_size, state.oom_count, self.config.threshold)
+        self.writer.write_values(self.step, SCALAR_TAGS, row)
+
+    def capture_dumps(self, new=True):
+        """Captures the allocator's dumps, which explain out-of-memory errors.
+
+        Args:
+            new: Start a new capture in place of the current one (`True`),
+                or keep a capture already running. Defaults to `True`.
+        """
+        if new or self._dumps is None:
+            self._dumps = oom_explanation.MemoryDumpCapture()
+
+    def take_latest_dump(self):
+        """The newest allocator dump since the last call, parsed, or `None`."""
+        return self._dumps.take_latest() if self._dumps is not None else None
+
+    def close_dumps(self):
+        """Stops capturing dumps and removes the temporary ones."""
+        if self._dumps is not None:
+            self._dumps.close()
+            self._dumps = None
