@@ -25,6 +25,7 @@ import torch
 from keras import tree
 
 from keras_memguard import decider
+from keras_memguard.backends.torch.mixin import MemGuardMixin
 from keras_memguard.backends.torch.replay import ReplayingTrainFunction
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks import messages
@@ -40,6 +41,8 @@ def unsupported_options(options):
     refused = []
     if options.escalate:
         refused.append(f"escalate={options.escalate!r}")
+    if options.scale_learning_rate:
+        refused.append("scale_learning_rate=True")
     if not refused:
         return None
     return (
@@ -260,6 +263,9 @@ class TorchTrainingRun:
                 function.micro_batches = decided.micro_batches
                 session.save_state()
         session.advance(1)
+        if function is not None and isinstance(self.model, MemGuardMixin):
+            # A mixin model keeps the guard's count for its own `fit`s.
+            self.model.micro_batches = min(function.micro_batches, self._batch_size or 1)
         if logs is not None:
             logs[self.log_key] = session.micro_batches
         if session.writer is not None:
