@@ -32,7 +32,8 @@ import sys
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--log-dir", default=os.path.join("logs", "quickstart"))
-    parser.add_argument("--cap-mib", type=int, default=600)
+    # JAX trains smaller images (see `main`), under a cap scaled to them.
+    parser.add_argument("--cap-mib", type=int, default=None)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument(
@@ -40,14 +41,17 @@ def parse_args():
         choices=("tensorflow", "jax", "torch"),
         default=os.environ.get("KERAS_BACKEND", "tensorflow"),
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.cap_mib is None:
+        args.cap_mib = 150 if args.backend == "jax" else 600
+    return args
 
 
-def make_model(keras):
+def make_model(keras, size=64):
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [
-            keras.Input((64, 64, 3)),
+            keras.Input((size, size, 3)),
             keras.layers.Conv2D(64, 3, activation="relu"),
             keras.layers.Conv2D(64, 3, activation="relu"),
             keras.layers.GlobalAveragePooling2D(),
@@ -106,7 +110,7 @@ def cap_torch_memory(args, keras, x, y):
         return None
     # One small step first: what Keras and torch map for any step is part
     # of the process, not of the batch.
-    make_model(keras).fit(x[:8], y[:8], batch_size=8, verbose=0)
+    make_model(keras, x.shape[1]).fit(x[:8], y[:8], batch_size=8, verbose=0)
     headroom = args.cap_mib * 2**20
     cap = _status_bytes("VmSize") + headroom
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
@@ -145,7 +149,9 @@ def main():
 
     rng = np.random.default_rng(0)
     samples = 3 * args.batch_size
-    x = rng.normal(size=(samples, 64, 64, 3)).astype("float32")
+    # XLA's convolutions on a CPU are slow to train: JAX gets smaller images.
+    size = 32 if args.backend == "jax" else 64
+    x = rng.normal(size=(samples, size, size, 3)).astype("float32")
     y = rng.integers(0, 10, size=(samples,))
     if args.backend == "torch":
         memory_limit = cap_torch_memory(args, keras, x, y)
@@ -158,7 +164,7 @@ def main():
         print("   skipped: JAX's CPU backend has no memory cap to run out of")
     else:
         try:
-            make_model(keras).fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0)
+            make_model(keras, size).fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0)
             print("   finished (raise the batch size to see it run out of memory)")
         except out_of_memory_errors(args.backend) as error:
             print(f"   ran out of memory ({type(error).__name__})")
@@ -166,7 +172,7 @@ def main():
     print("2. The same fit with MemoryGuard and MemoryMonitor")
     monitor = keras_memguard.MemoryMonitor(log_dir=args.log_dir, memory_limit=memory_limit)
     guard = keras_memguard.MemoryGuard(log_dir=args.log_dir, memory_limit=memory_limit)
-    history = make_model(keras).fit(
+    history = make_model(keras, size).fit(
         x,
         y,
         batch_size=args.batch_size,

@@ -7,11 +7,19 @@ that trains in one step, and what `mixed_float16`, `mixed_bfloat16`, the
 at `batch_size`, against `float32`.
 
 Each variant runs in a process of its own (`keras_memguard.advice.child`,
-the same Python and environment, so the same device and memory cap): a
-variant then starts from a fresh allocator, as a training run would, and
-one that crashes its process (XLA aborts on an out-of-memory error) is
-reported, not fatal. This process never imports TensorFlow: on a GPU it
-would reserve the memory the children measure.
+the same Python and environment, so the same Keras backend, device and
+memory cap): a variant then starts from a fresh allocator, as a training
+run would, and one that crashes its process (XLA aborts on an
+out-of-memory error) is reported, not fatal. This process never imports a
+framework (TensorFlow, JAX or PyTorch): on a GPU it would reserve the
+memory the children measure.
+
+The same on every Keras backend: what a variant needs of one backend is
+its `advice` module (`keras_memguard.backends.<name>.advice`). A variant
+a backend does not have (the `"remat"` rung outside TensorFlow;
+`jit_compile` on JAX, whose steps XLA always compiles) is reported as
+`"unsupported"`, its reason saying it is not available on that backend.
+On PyTorch `jit_compile=True` means `torch.compile`.
 """
 
 import json
@@ -93,6 +101,8 @@ class Advice(NamedTuple):
             (weights, optimizer slots, the input batch; MiB).
         out_of_memory_errors: Out-of-memory errors over all variants.
         seconds: Wall time of the whole measurement.
+        backend: The Keras backend measured on (`"tensorflow"`, `"jax"`,
+            `"torch"`), or `None` where no child said.
     """
 
     model: str
@@ -106,6 +116,7 @@ class Advice(NamedTuple):
     in_use_mib: Optional[float] = None
     out_of_memory_errors: int = 0
     seconds: Optional[float] = None
+    backend: Optional[str] = None
 
     def to_dict(self):
         """The JSON object (`format` `"keras_memguard.advise"`, version 1)."""
@@ -152,6 +163,16 @@ def advise(
     `"unsupported"` with the reason, one that fails as `"failed"` with the
     error's first line.
 
+    The children run on the Keras backend this process would use (its
+    `KERAS_BACKEND`). On JAX and PyTorch the `"remat"` rung does not exist
+    and is reported as not available there, as is `jit_compile` on JAX
+    (XLA compiles every JAX step: the float32 row is its figure); on
+    PyTorch `jit_compile` is `torch.compile`. JAX on the CPU keeps no
+    memory statistics: its peak is XLA's memory analysis of the compiled
+    step (`how` says so), and `memory_limit` is required there, as on
+    PyTorch's CPU without a cgroup or address-space limit (whose peak is
+    the process's resident memory).
+
     Args:
         model_path: A model saved with `model.save` (`.keras`, or legacy
             `.h5`), compiled.
@@ -170,7 +191,9 @@ def advise(
             the first at each micro-batch count traces and is not counted.
             Defaults to `6`.
         memory_limit: The device memory limit in bytes, or `None` to resolve
-            it as `MemoryGuard` does. Defaults to `None`.
+            it as `MemoryGuard` does (which finds none on JAX's CPU, nor on
+            PyTorch's without a cgroup or address-space limit: every
+            variant then fails, saying so). Defaults to `None`.
         max_trials: Steps `find_batch_size` may take per variant, an
             integer >= 2. Defaults to `8`.
         threshold: The share of the limit the search for the largest batch
@@ -355,9 +378,21 @@ def _jsonable_shape(input_shape):
 
 
 def _child_env():
-    """The same environment, TensorFlow's start-up lines off unless asked for."""
+    """The same environment, TensorFlow's start-up lines off unless asked for.
+
+    Where Keras is already imported here, the children get its backend
+    (chosen from more than the environment: `keras.json`, or set before
+    the import).
+    """
     env = dict(os.environ)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    keras = sys.modules.get("keras")
+    backend = getattr(getattr(keras, "backend", None), "backend", None)
+    if callable(backend):
+        try:
+            env["KERAS_BACKEND"] = str(backend())
+        except Exception:  # noqa: BLE001 - the environment's own choice stands
+            pass
     # The child imports this package as this process did, installed or not.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     paths = [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -485,6 +520,7 @@ def _assemble(model_path, batch_size, names, results, memory_limit):
         variants=tuple(rows),
         in_use_mib=_mib(base.get("in_use_bytes"), 2) if base_ok else None,
         out_of_memory_errors=sum(r.get("out_of_memory_errors") or 0 for r in measured),
+        backend=next((results[n]["backend"] for n in names if results[n].get("backend")), None),
     )
 
 

@@ -8,6 +8,11 @@ allocator's peak per step), and writes what it measured as JSON to the
 spec's `output` file. Every outcome is written there, an error included:
 only a crash of the process itself (XLA aborts on an out-of-memory error)
 leaves the file unwritten.
+
+The same code on every Keras backend: what a variant needs of the backend
+(which variants exist there, the remat rung, XLA or `torch.compile`, the
+measured steps' input, the peak where the device keeps no statistics) is
+the backend's `advice` module (`keras_memguard.backends.current().advice()`).
 """
 
 import os
@@ -21,21 +26,15 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
+from keras_memguard import backends  # noqa: E402
 from keras_memguard.advice import variants  # noqa: E402
 from keras_memguard.batch_size_finder import find_batch_size  # noqa: E402
 from keras_memguard.callbacks.guard import MemoryGuard  # noqa: E402
 from keras_memguard.callbacks.monitor import MemoryMonitor  # noqa: E402
-from keras_memguard.backends.tensorflow.probe import AllocatorProbe  # noqa: E402
-from keras_memguard import step_functions as functions  # noqa: E402
-from keras_memguard.backends.tensorflow import remat  # noqa: E402
-from keras_memguard.backends.tensorflow.setup import gradient_bytes  # noqa: E402
-from keras_memguard.backends.tensorflow.step import step_function  # noqa: E402
+from keras_memguard.errors import MemoryLimitUnknownError  # noqa: E402
 
 _MIB = 1024 * 1024
-# The share of `threshold` the jit variant's search aims at.
-JIT_THRESHOLD_SHARE = 0.75
 
 
 class _Steps(keras.callbacks.Callback):
@@ -87,47 +86,37 @@ def measure(spec, result):
     every variant would fail alike), `"variant"` or `"measure"`.
     """
     name = spec["variant"]
-    result.update(variant=name, status="failed", reason=None, stage="load")
+    protocol = backends.current()
+    backend = protocol.advice()
+    result.update(
+        variant=name, status="failed", reason=None, stage="load", backend=protocol.NAME
+    )
+    if name == variants.BASELINE:
+        # Which variants the parent need not start a process for: those
+        # this backend does not have, known before the model loads.
+        result["unsupported"] = dict(backend.UNAVAILABLE)
     model = keras.saving.load_model(spec["model"])
     if name == variants.BASELINE:
-        # Which variants the parent need not start a process for.
-        result["unsupported"] = _unsupported(model)
-    if model.jit_compile and name != variants.JIT:
-        # Only the jit variant uses XLA (Keras' "auto" turns it on on GPUs).
-        model.jit_compile = False
-        result["how"] = "jit_compile switched off: only the jit_compile variant uses XLA"
+        result["unsupported"].update(backend.unsupported(model))
+    _add_how(result, backend.prepare(model, name))
     result["stage"] = "variant"
     try:
         model, how = variants.apply_variant(model, name)
     except variants.Unsupported as error:
         result.update(status="unsupported", reason=str(error))
         return
-    if how:
-        result["how"] = how
+    _add_how(result, how)
     result["stage"] = "measure"
     batch_size = spec["batch_size"]
     x = variants.make_inputs(model, batch_size, spec.get("input_shape"), spec.get("input_range"))
     y = variants.make_targets(model, x)
-    probe = AllocatorProbe()
+    probe = protocol.make_probe()
     result["device"] = probe.devices[0] if probe.devices else None
     limit = spec.get("memory_limit")
-    if remat.is_on(model):
-        # find_batch_size runs the model's train function: here the
-        # guard's step at one micro-batch, which runs the segments.
-        step = step_function(model, 1, "accumulate")
-        functions.set_train_function(model, lambda iterator: step(next(iterator)))
-    threshold = spec.get("threshold", 0.85)
-    if name == variants.JIT:
-        # XLA's peak moves in steps a line through measured trials cannot
-        # follow (one large buffer, rounded to a power of two), and its
-        # out-of-memory error aborts the process: search further from the limit.
-        threshold *= JIT_THRESHOLD_SHARE
-        result["how"] += (
-            f"; largest batch searched to {threshold:.0%} of the limit "
-            "(XLA's peak grows in steps)"
-        )
+    threshold, note = backend.search_threshold(name, spec.get("threshold", 0.85))
+    _add_how(result, note)
     _write(spec, result)
-    try:
+    with backend.search_context(model):
         found = find_batch_size(
             model,
             x,
@@ -138,9 +127,6 @@ def measure(spec, result):
             threshold=threshold,
             verbose=0,
         )
-    finally:
-        if remat.is_on(model):
-            functions.set_train_function(model, None)
     weights, optimizer = variants.variable_bytes(model)
     result.update(
         limit_bytes=found.limit_bytes,
@@ -148,7 +134,7 @@ def measure(spec, result):
         planned_micro_batches=found.micro_batches,
         weights_bytes=weights,
         optimizer_bytes=optimizer,
-        gradient_bytes=gradient_bytes(model),
+        gradient_bytes=protocol.batch_size_finder().gradient_bytes(model),
         in_use_bytes=found.in_use_bytes,
         step_fixed_bytes=found.fixed_bytes,
         bytes_per_sample=found.bytes_per_sample,
@@ -161,60 +147,52 @@ def measure(spec, result):
     _write(spec, result)
     steps = _Steps()
     fits = batch_size <= found.largest_batch_size
-    guard = MemoryGuard(
-        memory_limit=limit,
-        threshold=spec.get("threshold", 0.85),
-        plan_cache=False,
-        # A batch no larger than one that ran trains whole, and the guard
-        # only watches it; a larger one starts at the count the search
-        # planned, with no cautious first split of 8 to trace and leave.
-        plan=not fits,
-        micro_batches=1 if fits else max(found.micro_batches or 1, 2),
-    )
     monitor = MemoryMonitor(update_freq="batch", memory_limit=limit, nvml=False)
+    callbacks = [monitor, steps]
+    guard = None
+    guarded = backend.guarded(name, fits)
+    _add_how(result, backend.training_note(name, guarded))
+    if guarded:
+        guard = MemoryGuard(
+            memory_limit=limit,
+            threshold=spec.get("threshold", 0.85),
+            plan_cache=False,
+            # A batch no larger than one that ran trains whole, and the
+            # guard only watches it; a larger one starts at the count the
+            # search planned, with no cautious first split of 8 to trace
+            # and leave.
+            plan=not fits,
+            micro_batches=1 if fits else max(found.micro_batches or 1, 2),
+        )
+        callbacks.insert(0, guard)
     model.fit(
-        _dataset(x, y),
+        backend.training_data(x, y, spec["steps"]),
         epochs=1,
         steps_per_epoch=spec["steps"],
         verbose=0,
-        callbacks=[guard, monitor, steps],
+        callbacks=callbacks,
     )
     warm = warm_steps(steps.rows)
-    peaks = [row[1] for row in warm if row[1] is not None]
+    peaks = [row[1] * _MIB for row in warm if row[1] is not None]
+    micro_batches = max(row[2] for row in warm)
+    peak, note = backend.step_peak(model, x, y, micro_batches, max(peaks) if peaks else None)
+    _add_how(result, note)
     result.update(
         status="ok",
         stage=None,
-        peak_bytes=max(peaks) * _MIB if peaks else None,
+        peak_bytes=peak,
         step_seconds=statistics.median(row[0] for row in warm),
         steps_measured=len(warm),
-        micro_batches=max(row[2] for row in warm),
-        out_of_memory_errors=found.out_of_memory_errors + guard.oom_recoveries,
+        micro_batches=micro_batches,
+        out_of_memory_errors=found.out_of_memory_errors
+        + (guard.oom_recoveries if guard is not None else 0),
     )
 
 
-def _unsupported(model):
-    """`{variant: reason}` for the variants `model` cannot take."""
-    reasons = {}
-    reason = remat.can_remat(model)
-    if reason is not None:
-        reasons[variants.REMAT] = reason
-    if not variants.supports_jit(model):
-        reasons[variants.JIT] = f"{type(model).__name__} cannot be compiled with XLA"
-    return reasons
-
-
-def _dataset(x, y):
-    """The one batch, repeated, with nothing prefetched beside the step.
-
-    On the CPU stand-in, prefetched batches would sit in the same capped
-    memory as the step and count in its peak.
-    """
-    options = tf.data.Options()
-    options.experimental_optimization.inject_prefetch = False
-    options.autotune.enabled = False
-    features = tuple(x) if isinstance(x, list) else x
-    targets = tuple(y) if isinstance(y, list) else y
-    return tf.data.Dataset.from_tensors((features, targets)).repeat().with_options(options)
+def _add_how(result, note):
+    """Adds a sentence to `result["how"]` (how the variant was made)."""
+    if note:
+        result["how"] = f"{result['how']}; {note}" if result.get("how") else note
 
 
 def main(argv=None):
@@ -223,6 +201,11 @@ def main(argv=None):
     result = {"variant": spec.get("variant")}
     try:
         measure(spec, result)
+    except MemoryLimitUnknownError as error:
+        result.update(
+            status="failed",
+            reason=f"{variants.first_line(error)} (keras-memguard advise: --memory-limit-mib)",
+        )
     except Exception as error:  # noqa: BLE001 - reported, never raised
         result.update(status="failed", reason=variants.first_line(error))
     _write(spec, result)

@@ -1,24 +1,29 @@
 """What `advise` does to a loaded model: its batch, and each variant.
 
-Runs in the measuring child process (it imports Keras, so TensorFlow).
+Runs in the measuring child process (it imports Keras, so the backend's
+framework). Backend-neutral: what a variant needs of one backend (the
+`"remat"` rung, XLA, `torch.compile`) is that backend's `advice` module
+(`keras_memguard.backends.current().advice()`).
 
-- `make_batch` builds inputs from the model's input specs and targets that
-  fit its loss and output shapes.
+- `make_inputs` and `make_targets` build inputs from the model's input
+  specs and targets that fit its loss and output shapes.
 - `apply_variant` turns the loaded model into one variant: a dtype policy
-  (the model rebuilt, see `rebuild_with_policy`), the `"remat"` rung, or
-  `jit_compile=True`. A variant the model cannot take raises `Unsupported`
-  with the reason.
+  (the model rebuilt, see `rebuild_with_policy`, the same on every
+  backend), or what the backend's `advice.apply_variant` makes of the
+  others. A variant the model cannot take, or that the backend does not
+  have, raises `Unsupported` with the reason.
 """
 
 import keras
 import numpy as np
 
+from keras_memguard import backends
 from keras_memguard.backends.tensorflow import compat
-from keras_memguard.backends.tensorflow import remat
 
 BASELINE = "float32"
 POLICIES = ("mixed_float16", "mixed_bfloat16")
-REMAT = remat.RUNG
+# The memory-saving rung `MemoryGuard(escalate=("remat",))` switches on.
+REMAT = "remat"
 JIT = "jit_compile"
 VARIANTS = (BASELINE, *POLICIES, REMAT, JIT)
 # Integer inputs with no Embedding layer to bound them get 0 or 1: valid
@@ -118,7 +123,7 @@ def make_inputs(model, batch_size, input_shape=None, input_range=None, seed=0):
         elif dtype == "bool":
             arrays.append(rng.integers(0, 2, full).astype(bool))
         else:
-            arrays.append(rng.random(full, dtype=np.float32).astype(dtype))
+            arrays.append(rng.random(full, dtype=np.float32).astype(dtype, copy=False))
     return arrays[0] if len(arrays) == 1 else arrays
 
 
@@ -190,6 +195,10 @@ def make_targets(model, x, seed=1):
 def apply_variant(model, name):
     """Turns the loaded `model` into variant `name`.
 
+    A dtype policy is made here, alike on every backend; the other
+    variants by the backend's `advice.apply_variant`, or refused where the
+    backend does not have them (its `advice.UNAVAILABLE`).
+
     Args:
         model: The loaded, compiled model (float32).
         name: One of `VARIANTS`.
@@ -199,28 +208,34 @@ def apply_variant(model, name):
         rebuilt one) and a sentence saying what was done, or `None`.
 
     Raises:
-        Unsupported: If the model cannot take the variant.
+        Unsupported: If the model or the backend cannot take the variant.
+        ValueError: If `name` is not one of `VARIANTS`.
     """
+    if name not in VARIANTS:
+        raise ValueError(f"Unknown variant {name!r}. Valid: {VARIANTS}")
     if name == BASELINE:
         return model, None
     if name in POLICIES:
         return rebuild_with_policy(model, name)
-    if name == REMAT:
-        reason = remat.can_remat(model)
-        if reason is not None:
-            raise Unsupported(reason)
-        segments = remat.switch_on(model)
-        return model, (
-            f"the forward pass runs in {segments} segments of up to "
-            f"{remat.SEGMENT_LAYERS} layers under tf.recompute_grad "
-            "(keras_memguard.backends.tensorflow.remat), as MemoryGuard(escalate=('remat',)) does"
-        )
-    if name == JIT:
-        if not supports_jit(model):
-            raise Unsupported(f"{type(model).__name__} cannot be compiled with XLA")
-        recompile(model, model, jit_compile=True)
-        return model, "compiled again from its compile config with jit_compile=True"
-    raise ValueError(f"Unknown variant {name!r}. Valid: {VARIANTS}")
+    advice = backends.current().advice()
+    reason = advice.UNAVAILABLE.get(name)
+    if reason is not None:
+        raise Unsupported(reason)
+    return advice.apply_variant(model, name)
+
+
+def unavailable(name, backend, why):
+    """The reason for a variant `backend` does not have, as `advise` reports it.
+
+    Args:
+        name: The variant, one of `VARIANTS`.
+        backend: The Keras backend's name.
+        why: What stands in its place there, a sentence.
+
+    Returns:
+        `"<name> is not available on the <backend> backend: <why>"`.
+    """
+    return f"{name} is not available on the {backend} backend: {why}"
 
 
 def supports_jit(model):
@@ -357,3 +372,29 @@ def first_line(error):
     text = str(error).strip()
     line = text.splitlines()[0] if text else ""
     return f"{type(error).__name__}: {line}" if line else type(error).__name__
+
+
+class RepeatedBatch(keras.utils.PyDataset):
+    """One batch, served `steps` times: the measured steps' input.
+
+    Where the backend has no `tf.data` (JAX, PyTorch without TensorFlow),
+    a `PyDataset` is what every Keras backend's `fit` takes. It serves
+    the same arrays each time, so no copy of the batch waits beside the
+    step.
+
+    Args:
+        x: The inputs, an array or a list of arrays.
+        y: The targets, an array or a list of arrays.
+        steps: Batches per epoch, an integer >= 1.
+    """
+
+    def __init__(self, x, y, steps):
+        super().__init__()
+        self._arrays = (x, y)
+        self._steps = int(steps)
+
+    def __len__(self):
+        return self._steps
+
+    def __getitem__(self, index):
+        return self._arrays
