@@ -49,6 +49,11 @@ A backend's `protocol` module provides:
   `training_note(name, guarded)`, `training_data(x, y, steps)` and
   `step_peak(model, x, y, micro_batches, measured_bytes)`.
 
+- `sees_gpu()`: whether the framework lists a GPU (asked only where NVML
+  is missing, to say why).
+- `record_writer(path)`: the writer of TensorBoard's event records, or
+  `None` for TensorBoard's own.
+
 Adding a backend is a folder here and one line in `_REGISTERED`.
 """
 

@@ -356,27 +356,12 @@ def _backend_sees_gpu():
     """Whether Keras' backend lists a GPU (`False` when it cannot tell).
 
     Only asked when NVML is missing, so the cost (importing TensorFlow on
-    the TensorFlow backend) is paid only then; on the JAX backend JAX is
-    asked, on the PyTorch backend `torch.cuda`, and TensorFlow is never
-    imported.
+    the TensorFlow backend) is paid only then.
     """
     try:
-        import keras
+        from keras_memguard import backends
 
-        backend = keras.backend.backend()
-        if backend == "jax":
-            import jax
-
-            return any(d.platform == "gpu" for d in jax.devices())
-        if backend == "torch":
-            import torch
-
-            # CUDA device i is the i-th GPU of CUDA_VISIBLE_DEVICES, as a
-            # TensorFlow GPU ordinal is: `_visible_gpus` maps both.
-            return bool(torch.cuda.is_available() and torch.cuda.device_count())
-        import tensorflow as tf
-
-        return bool(tf.config.list_physical_devices("GPU"))
+        return bool(backends.current().sees_gpu())
     except Exception:  # No such backend, or it cannot list devices.
         return False
 

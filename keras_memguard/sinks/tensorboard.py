@@ -44,7 +44,6 @@ import os
 import re
 import socket
 import struct
-import sys
 import threading
 import time
 
@@ -256,15 +255,16 @@ def encode_event(step, wall_time, summary_bytes):
 def _record_writer(path):
     """A writer of TFRecord-framed records to `path`.
 
-    TensorFlow's C++ writer where TensorFlow is loaded (the TensorFlow
-    backend) or the path is remote (`gs://...`, which only it opens);
-    otherwise TensorBoard's own (the same framing, checksums computed in
-    Python), so the JAX backend needs no TensorFlow.
+    The backend's (TensorFlow's C++ writer on the TensorFlow backend, which
+    also opens remote paths such as `gs://...`); otherwise TensorBoard's own
+    (the same framing, checksums computed in Python), so the JAX and
+    PyTorch backends need no TensorFlow.
     """
-    if "tensorflow" in sys.modules or "://" in path:
-        import tensorflow as tf
+    from keras_memguard import backends
 
-        return tf.io.TFRecordWriter(path)
+    writer = backends.current().record_writer(path)
+    if writer is not None:
+        return writer
     from tensorboard.summary.writer.record_writer import RecordWriter
 
     return RecordWriter(open(path, "wb"))

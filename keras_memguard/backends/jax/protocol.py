@@ -45,3 +45,15 @@ def advice():
     from keras_memguard.backends.jax import advice as module
 
     return module
+
+
+def sees_gpu():
+    """Whether JAX lists a GPU device."""
+    import jax
+
+    return any(d.platform == "gpu" for d in jax.devices())
+
+
+def record_writer(path):
+    """`None`: TensorBoard's own record writer is used (no TensorFlow here)."""
+    return None

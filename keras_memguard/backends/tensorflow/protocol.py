@@ -52,3 +52,17 @@ def advice():
     from keras_memguard.backends.tensorflow import advice as module
 
     return module
+
+
+def sees_gpu():
+    """Whether TensorFlow lists a physical GPU."""
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def record_writer(path):
+    """TensorFlow's C++ record writer (it also opens `gs://` and other remote paths)."""
+    import tensorflow as tf
+
+    return tf.io.TFRecordWriter(path)

@@ -46,3 +46,19 @@ def advice():
     from keras_memguard.backends.torch import advice as module
 
     return module
+
+
+def sees_gpu():
+    """Whether torch sees a CUDA device.
+
+    CUDA device i is the i-th GPU of `CUDA_VISIBLE_DEVICES`, as a
+    TensorFlow GPU ordinal is: NVML's probe maps both alike.
+    """
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.device_count())
+
+
+def record_writer(path):
+    """`None`: TensorBoard's own record writer is used (no TensorFlow here)."""
+    return None
