@@ -52,3 +52,34 @@ def test_benchmark_runs(script):
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert expected in completed.stdout, completed.stdout[-4000:]
+
+
+# bench_backends.py runs once per Keras backend (KERAS_BACKEND): its
+# TensorFlow smoke run is the test below, its JAX and torch ones are in
+# tests/jax_backend and tests/torch_backend. Registered here, after the
+# parametrized test above took its list, for the check that every script
+# has one.
+SMOKE_RUNS["bench_backends.py"] = (["--smoke"], "tensorflow: first batch, mlp")
+
+BACKENDS_FIGURE_LINES = (
+    "| plain B=32 |",
+    "| MemoryMonitor |",
+    "| guard k=1 (plan) |",
+    "| guard k=1 (fixed) |",
+    "| guard k=4, B=32 |",
+    "| keras GA k=4, B=8 |",
+    "| plain B=8 |",
+    ": first batch, mlp, B=32",
+)
+
+
+def test_bench_backends_smoke_run_on_tensorflow():
+    completed = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "bench_backends.py"), "--smoke"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env=dict(os.environ, KERAS_BACKEND="tensorflow"),
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert "Keras backend tensorflow: TensorFlow" in completed.stdout, completed.stdout[-4000:]
+    for line in BACKENDS_FIGURE_LINES:
+        assert line in completed.stdout, (line, completed.stdout[-4000:])
