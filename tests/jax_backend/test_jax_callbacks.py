@@ -29,6 +29,7 @@ from keras_memguard.errors import MemoryLimitUnknownError
 from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.backends.jax import StepCache
+from keras_memguard.backends.jax import probe as jax_probe
 from keras_memguard.backends.jax.compiled import spec_of
 from keras_memguard.backends.jax.compiled import step_memory
 from keras_memguard.report.cli import make_report
@@ -90,8 +91,10 @@ def failing_step(compiled, failing_counts, runs):
 
 
 def test_the_monitor_logs_host_memory_and_says_once_the_device_has_no_statistics(
-    tmp_path, caplog
+    tmp_path, caplog, monkeypatch
 ):
+    # Said once per process: as in a process where nothing read the device yet.
+    monkeypatch.setattr(jax_probe, "_told", set())
     model = make_mlp()
     x, y = mlp_data()
     with caplog.at_level(logging.INFO, logger="keras_memguard"):
