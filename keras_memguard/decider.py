@@ -89,6 +89,7 @@ __all__ = [
     "accumulation_fits",
     "fail",
     "fail_evaluation",
+    "fail_without_figures",
     "from_dict",
     "in_use_beside_replay",
     "in_use_planned_for",
@@ -1134,6 +1135,48 @@ def fail(config, state, failure):
     return (
         Plan(new_k, k, None, f"out of memory at {counted} ({micro} per micro-batch)"),
         recorded._replace(micro_batches=new_k, oom_count=state.oom_count + 1),
+    )
+
+
+def fail_without_figures(config, state, batch_size, micro_batches):
+    """Sizes a replay where nothing says how much memory the batch needed.
+
+    A `MemGuardMixin` model trained without `MemoryGuard` has no limit, no
+    reading and, on JAX and PyTorch, an error that names no usable figure:
+    each replay halves the micro-batch (at least one more micro-batch), as
+    `fail` does when the demand it proved leaves nothing to reason from.
+
+    Args:
+        config: A `DeciderConfig` (its `max_micro_batches` applies).
+        state: The `DeciderState`.
+        batch_size: Samples of the batch that failed.
+        micro_batches: The count it failed at.
+
+    Returns:
+        A `(Plan, DeciderState)` pair; when no count helps, the plan's
+        `cannot_split` says why and the state is unchanged.
+
+    Example:
+
+    >>> config = make_config()
+    >>> decided, state = fail_without_figures(config, init(config), 16, 2)
+    >>> decided.micro_batches, state.oom_count
+    (4, 1)
+    """
+    k = micro_batches
+    micro = -(-batch_size // k)
+    low, high = _bounds(config, batch_size)
+    counted = micro_batches_text(k)
+    if micro <= 1:
+        why = f"out of memory at {counted} of a batch of {_samples(batch_size)}"
+        return Plan(k, k, None, why, CANNOT_SPLIT_BATCH_SIZE), state
+    if k >= high:
+        why = f"out of memory at the cap of {micro_batches_text(high)}"
+        return Plan(k, k, None, why, CANNOT_SPLIT_CAP), state
+    new_k = max(low, min(high, max(k + 1, -(-batch_size // (micro // 2)))))
+    return (
+        Plan(new_k, k, None, f"out of memory at {counted} ({micro} per micro-batch)"),
+        state._replace(micro_batches=new_k, oom_count=state.oom_count + 1),
     )
 
 

@@ -464,3 +464,19 @@ def test_peaks_round_trip_and_older_files_without_them_load():
     data["peaks"] = [[1.0, 2.0]]
     with pytest.raises(ValueError, match="`peaks` must be a list"):
         decider.from_dict(data)
+
+
+def test_a_replay_without_figures_halves_the_micro_batch_and_stops_at_one_sample():
+    config = decider.make_config()
+    state = decider.init(config)
+    decided, state = decider.fail_without_figures(config, state, 16, 2)
+    assert (decided.micro_batches, decided.cannot_split, state.oom_count) == (4, None, 1)
+    # An odd batch: the micro-batch halves (5 samples to 2), the count follows.
+    decided, _ = decider.fail_without_figures(config, state, 10, 2)
+    assert decided.micro_batches == 5
+    decided, unchanged = decider.fail_without_figures(config, state, 6, 6)
+    assert decided.cannot_split == decider.CANNOT_SPLIT_BATCH_SIZE
+    assert unchanged is state
+    capped = decider.make_config(max_micro_batches=4)
+    decided, _ = decider.fail_without_figures(capped, decider.init(capped), 64, 4)
+    assert decided.cannot_split == decider.CANNOT_SPLIT_CAP

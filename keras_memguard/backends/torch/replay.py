@@ -43,6 +43,7 @@ from keras_memguard.backends.torch.step import StepProgress
 from keras_memguard.backends.torch.step import batch_size_of
 from keras_memguard.backends.torch.step import run_step
 from keras_memguard.backends.torch.step import validate_mode
+from keras_memguard import decider
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.errors import MicroBatchTooLargeError
 
@@ -147,7 +148,10 @@ class StepOutOfMemory(NamedTuple):
 
 
 def double_micro_batches(failure):
-    """The default handler: twice the count, at most one sample each.
+    """The default handler: the decider's count where no figure is known.
+
+    `decider.fail_without_figures`: the micro-batch at most halves, so the
+    count about doubles; one replay policy for every backend.
 
     Args:
         failure: A `StepOutOfMemory`.
@@ -158,14 +162,18 @@ def double_micro_batches(failure):
     Raises:
         MicroBatchTooLargeError: If one sample per micro-batch failed.
     """
-    if failure.micro_batches >= failure.batch_size:
+    config = decider.make_config()
+    decided, _ = decider.fail_without_figures(
+        config, decider.init(config), failure.batch_size, failure.micro_batches
+    )
+    if decided.cannot_split is not None:
         raise MicroBatchTooLargeError(
             "A micro-batch of one sample ran out of memory "
             f"(batch of {failure.batch_size} in {failure.micro_batches} "
             "micro-batches). HINT: use a smaller model, mixed precision, or a "
             "device with more memory."
         ) from failure.error
-    return min(failure.batch_size, 2 * failure.micro_batches)
+    return decided.micro_batches
 
 
 def _state_variables(model):
