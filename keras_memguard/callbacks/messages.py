@@ -109,22 +109,6 @@ def log_inference_unsupported(kind, replicas):
     )
 
 
-_NOT_GUARDED_SAID = set()
-
-
-def log_inference_not_guarded(backend, kind):
-    """INFO, once per process and kind: `evaluate`/`predict` run unguarded."""
-    if (backend, kind) in _NOT_GUARDED_SAID:
-        return
-    _NOT_GUARDED_SAID.add((backend, kind))
-    logger.info(
-        "%s on the %s backend runs as Keras runs it: MemoryGuard plans and "
-        "slices evaluate and predict on the TensorFlow and JAX backends (for now)",
-        kind,
-        backend,
-    )
-
-
 def log_rung(rung, why, segments, segment_layers):
     """INFO: a rung of `escalate` is switched on."""
     logger.info(

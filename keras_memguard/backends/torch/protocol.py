@@ -20,11 +20,10 @@ def training_run(session, fit, log_key):
 
 
 def inference_run(session, kind):
-    """`None`: `evaluate` and `predict` run as Keras runs them, said once."""
-    from keras_memguard.callbacks import messages
+    """The run of one `evaluate` or `predict` (`TorchInferenceRun`)."""
+    from keras_memguard.backends.torch import run
 
-    messages.log_inference_not_guarded(NAME, kind)
-    return None
+    return run.inference_run(session, kind)
 
 
 def mixin_class():

@@ -187,7 +187,7 @@ def _state_variables(model):
     return variables
 
 
-class _Snapshot:
+class StateSnapshot:
     """Copies of the metrics' and the non-trainable variables' values.
 
     Also torch's global random state: a layer without a seed of its own
@@ -342,11 +342,11 @@ class ReplayingTrainFunction:
             planned = self.plan(batch)
             if planned is not None:
                 self.micro_batches = validate_micro_batches(planned)
-        snapshot = [_Snapshot(self.model)]
+        snapshot = [StateSnapshot(self.model)]
 
         def applied():
             # Shrink mode: what is applied stays; roll back to here.
-            snapshot[0] = _Snapshot(self.model)
+            snapshot[0] = StateSnapshot(self.model)
 
         progress = StepProgress(on_applied=applied)
         while True:

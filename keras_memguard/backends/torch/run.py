@@ -14,7 +14,10 @@ On a CUDA device the probe reads the caching allocator (allocated bytes, the
 peak per batch); on the CPU it reads the process's resident memory, so
 `memory_limit` must be given there.
 
-`evaluate` and `predict` run as Keras runs them on this backend (said once).
+`evaluate` and `predict` (and `fit`'s validation) run in slices
+(`keras_memguard.backends.torch.inference`): one per batch until a batch
+runs out of memory, then as many as the decider says, going on from the
+first sample not yet done.
 """
 
 import math
@@ -25,6 +28,10 @@ import torch
 from keras import tree
 
 from keras_memguard import decider
+from keras_memguard import step_functions
+from keras_memguard.backends.torch.inference import SlicedPredictFunction
+from keras_memguard.backends.torch.inference import SlicedTestFunction
+from keras_memguard.backends.torch.inference import more_slices
 from keras_memguard.backends.torch.mixin import MemGuardMixin
 from keras_memguard.backends.torch.replay import ReplayingTrainFunction
 from keras_memguard.callbacks import logs_carrier
@@ -270,3 +277,78 @@ class TorchTrainingRun:
             logs[self.log_key] = session.micro_batches
         if session.writer is not None:
             session.write_scalars(self.micro_batch_size(session.micro_batches))
+
+
+# `evaluate` and `predict` (and `fit`'s validation).
+
+_FUNCTIONS = {"evaluate": SlicedTestFunction, "predict": SlicedPredictFunction}
+
+
+def inference_run(session, kind):
+    """Starts the run of an `evaluate` or `predict` call.
+
+    Args:
+        session: The guard's `GuardSession`.
+        kind: `"evaluate"` or `"predict"`.
+
+    Returns:
+        The started `TorchInferenceRun`.
+    """
+    run = TorchInferenceRun(session, kind)
+    run.begin()
+    return run
+
+
+class TorchInferenceRun:
+    """One `evaluate` or `predict` (or `fit`'s validation) under `MemoryGuard`.
+
+    Each batch runs in slices of the count this kind has come to (one slice
+    until a batch runs out of memory); a slice that runs out of memory is
+    run again in smaller ones, from the first sample not yet done, with the
+    count the decider gives (`decider.fail_evaluation`), which stays for
+    the next batches and calls.
+
+    Args:
+        session: The guard's `GuardSession`.
+        kind: `"evaluate"` or `"predict"`.
+    """
+
+    def __init__(self, session, kind):
+        self.session = session
+        self.kind = kind
+        self.model = session.model
+        self.controller = session.inference_controller(kind)
+        state = self.controller.state
+        start = state.micro_batches if state.oom_count else 1
+        self.function = _FUNCTIONS[kind](
+            self.model, micro_batches=start, on_out_of_memory=self._on_out_of_memory
+        )
+        self._previous = None
+
+    def begin(self):
+        """Installs the sliced function in place of Keras' own."""
+        if self.kind == "evaluate":
+            self._previous = self.model.test_function
+            step_functions.set_test_function(self.model, self.function)
+        else:
+            self._previous = self.model.predict_function
+            step_functions.set_predict_function(self.model, self.function)
+
+    def end(self):
+        """Puts Keras' own function back."""
+        if self.kind == "evaluate":
+            step_functions.set_test_function(self.model, self._previous)
+        else:
+            step_functions.set_predict_function(self.model, self._previous)
+
+    def after_batch(self):
+        """Nothing after a batch: the count changes only after an error."""
+
+    def _on_out_of_memory(self, failure):
+        k = more_slices(failure)
+        messages.log_inference_slices(
+            self.kind, failure.batch_size, failure.micro_batches, None, k
+        )
+        self.controller.set_micro_batches(k)
+        self.controller.count_replay()
+        return k

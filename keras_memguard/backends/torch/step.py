@@ -148,7 +148,7 @@ def batch_size_of(data):
     )
 
 
-def _rows(structure, start, stop):
+def rows(structure, start, stop):
     """Rows `start:stop` of every array in a nested structure (`None` kept)."""
     if structure is None:
         return None
@@ -163,7 +163,7 @@ def _detached(structure):
     )
 
 
-def _concatenated(parts):
+def concatenated(parts):
     if len(parts) == 1:
         return parts[0]
     return keras.tree.map_structure(lambda *p: torch.cat(p, dim=0), *parts)
@@ -304,8 +304,8 @@ def _accumulate(model, data, micro_batches, progress):
     masked = False
     model.zero_grad()
     for start, stop in micro_batch_rows(batch_size, micro_batches):
-        part_x, part_y = _rows(x, start, stop), _rows(y, start, stop)
-        part_weight = _rows(sample_weight, start, stop)
+        part_x, part_y = rows(x, start, stop), rows(y, start, stop)
+        part_weight = rows(sample_weight, start, stop)
         loss, y_pred, mask = _micro_batch_loss(
             model, part_x, part_y, part_weight, micro_batches
         )
@@ -342,7 +342,7 @@ def _accumulate(model, data, micro_batches, progress):
     _apply(model, progress)
     if keep_outputs:
         return model.compute_metrics(
-            x, y, _concatenated(outputs), sample_weight=sample_weight
+            x, y, concatenated(outputs), sample_weight=sample_weight
         )
     return model.get_metrics_result()
 
@@ -356,8 +356,8 @@ def _shrink(model, data, micro_batches, progress):
     first = progress.rows_done
     for start, stop in micro_batch_rows(batch_size - first, micro_batches):
         start, stop = start + first, stop + first
-        part_x, part_y = _rows(x, start, stop), _rows(y, start, stop)
-        part_weight = _rows(sample_weight, start, stop)
+        part_x, part_y = rows(x, start, stop), rows(y, start, stop)
+        part_weight = rows(sample_weight, start, stop)
         model.zero_grad()
         loss, y_pred, _ = _micro_batch_loss(
             model, part_x, part_y, part_weight, micro_batches
@@ -378,7 +378,7 @@ def _shrink(model, data, micro_batches, progress):
             progress.on_applied()
     if keep_outputs:
         return model.compute_metrics(
-            x, y, _concatenated(progress.outputs), sample_weight=sample_weight
+            x, y, concatenated(progress.outputs), sample_weight=sample_weight
         )
     return model.get_metrics_result()
 
