@@ -18,9 +18,8 @@ count from what XLA says each slice's compiled step needs (`memory`).
 import jax
 import numpy as np
 
-from keras_memguard import decider
+from keras_memguard.backends import shared
 from keras_memguard.decider import validate_micro_batches
-from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.backends.jax.compiled import shape_key
 from keras_memguard.backends.jax.compiled import spec_of
 from keras_memguard.backends.jax.compiled import step_memory
@@ -36,22 +35,12 @@ def _slice(data, start, stop):
 
 
 def double_slices(failure):
-    """The default handler: `decider.fail_evaluation`'s count (slices halve).
+    """The default handler: `keras_memguard.backends.shared.slice_count`.
 
     Raises:
         MicroBatchTooLargeError: If a slice of one sample failed.
     """
-    config = decider.make_config()
-    decided, _ = decider.fail_evaluation(
-        config, decider.init(config), failure.batch_size, failure.micro_batches
-    )
-    if decided.cannot_split is not None:
-        raise MicroBatchTooLargeError(
-            "A slice of one sample ran out of memory (batch of "
-            f"{failure.batch_size}). HINT: use a smaller model, mixed "
-            "precision, or a device with more memory."
-        ) from failure.error
-    return decided.micro_batches
+    return shared.slice_count(failure)
 
 
 class _SlicedFunction:

@@ -27,41 +27,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from keras_memguard.backends.shared import micro_batch_segments
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.backends.tensorflow import compat
-
-
-def micro_batch_segments(batch_size, micro_batches):
-    """How a batch is cut: runs of micro-batches of one size.
-
-    `k` micro-batches of `n // k` samples, then the `n % k` left over (fewer
-    than `k`) as one last, smaller micro-batch. XLA gives a loop's
-    temporaries and those of the step around it separate buffers, so the
-    last micro-batch's memory adds to the loop's: keeping it below `k`
-    samples keeps that small (sizes that differ by one, as on TensorFlow,
-    would run two loops of nearly the batch's size over `k` each and need
-    about twice the memory).
-
-    Args:
-        batch_size: Samples in the batch, an `int` >= 1.
-        micro_batches: The number of micro-batches, an `int` >= 1; a batch
-            smaller than it is cut into one micro-batch per sample.
-
-    Returns:
-        A tuple of `(start, count, size)`: `count` micro-batches of `size`
-        samples each, starting at row `start`.
-
-    Example:
-
-    >>> micro_batch_segments(10, 4)
-    ((0, 4, 2), (8, 1, 2))
-    """
-    k = min(validate_micro_batches(micro_batches), batch_size)
-    size, left_over = divmod(batch_size, k)
-    segments = [(0, k, size)]
-    if left_over:
-        segments.append((k * size, 1, left_over))
-    return tuple(segments)
 
 
 def batch_size_of(data):

@@ -16,7 +16,7 @@ the slice's samples, as Keras weighs its batches.
 
 import torch
 
-from keras_memguard import decider
+from keras_memguard.backends import shared
 from keras_memguard.backends.torch.replay import StateSnapshot
 from keras_memguard.backends.torch.replay import StepOutOfMemory
 from keras_memguard.backends.torch.replay import drop_tracebacks
@@ -27,11 +27,10 @@ from keras_memguard.backends.torch.step import batch_size_of
 from keras_memguard.backends.torch.step import concatenated
 from keras_memguard.backends.torch.step import rows
 from keras_memguard.decider import validate_micro_batches
-from keras_memguard.errors import MicroBatchTooLargeError
 
 
 def more_slices(failure):
-    """The default handler: `decider.fail_evaluation`'s count (slices halve).
+    """The default handler: `keras_memguard.backends.shared.slice_count`.
 
     Args:
         failure: A `StepOutOfMemory`.
@@ -42,17 +41,7 @@ def more_slices(failure):
     Raises:
         MicroBatchTooLargeError: If a slice of one sample failed.
     """
-    config = decider.make_config()
-    decided, _ = decider.fail_evaluation(
-        config, decider.init(config), failure.batch_size, failure.micro_batches
-    )
-    if decided.cannot_split is not None:
-        raise MicroBatchTooLargeError(
-            "A slice of one sample ran out of memory (batch of "
-            f"{failure.batch_size}). HINT: use a smaller model, mixed "
-            "precision, or a device with more memory."
-        ) from failure.error
-    return decided.micro_batches
+    return shared.slice_count(failure)
 
 
 class _SlicedFunction:

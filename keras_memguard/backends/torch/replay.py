@@ -43,9 +43,8 @@ from keras_memguard.backends.torch.step import StepProgress
 from keras_memguard.backends.torch.step import batch_size_of
 from keras_memguard.backends.torch.step import run_step
 from keras_memguard.backends.torch.step import validate_mode
-from keras_memguard import decider
+from keras_memguard.backends import shared
 from keras_memguard.decider import validate_micro_batches
-from keras_memguard.errors import MicroBatchTooLargeError
 
 # What torch's CPU allocator says when `malloc` fails (an `[enforce fail at
 # alloc_cpu.cpp]` RuntimeError, not `torch.OutOfMemoryError`).
@@ -148,32 +147,18 @@ class StepOutOfMemory(NamedTuple):
 
 
 def double_micro_batches(failure):
-    """The default handler: the decider's count where no figure is known.
-
-    `decider.fail_without_figures`: the micro-batch at most halves, so the
-    count about doubles; one replay policy for every backend.
+    """The default handler: `keras_memguard.backends.shared.replay_count`.
 
     Args:
         failure: A `StepOutOfMemory`.
 
     Returns:
-        The count to replay with.
+        The count to replay with (about twice the one that failed).
 
     Raises:
         MicroBatchTooLargeError: If one sample per micro-batch failed.
     """
-    config = decider.make_config()
-    decided, _ = decider.fail_without_figures(
-        config, decider.init(config), failure.batch_size, failure.micro_batches
-    )
-    if decided.cannot_split is not None:
-        raise MicroBatchTooLargeError(
-            "A micro-batch of one sample ran out of memory "
-            f"(batch of {failure.batch_size} in {failure.micro_batches} "
-            "micro-batches). HINT: use a smaller model, mixed precision, or a "
-            "device with more memory."
-        ) from failure.error
-    return decided.micro_batches
+    return shared.replay_count(failure)
 
 
 def _state_variables(model):

@@ -39,6 +39,7 @@ import keras
 import torch
 
 from keras_memguard.backends.torch import compat
+from keras_memguard.backends.shared import micro_batch_segments
 from keras_memguard.decider import validate_micro_batches
 
 MODES = ("accumulate", "shrink")
@@ -68,38 +69,6 @@ def validate_mode(mode):
             f"Received: micro_batch_mode={mode!r}"
         )
     return mode
-
-
-def micro_batch_segments(batch_size, micro_batches):
-    """How a batch is cut: runs of micro-batches of one size.
-
-    `k` micro-batches of `n // k` samples, then the `n % k` left over (fewer
-    than `k`) as one last, smaller micro-batch: the same cut as on JAX, so a
-    count means the same micro-batch size on every backend.
-
-    Args:
-        batch_size: Samples in the batch, an `int` >= 1.
-        micro_batches: The number of micro-batches, an `int` >= 1; a batch
-            smaller than it is cut into one micro-batch per sample.
-
-    Returns:
-        A tuple of `(start, count, size)`: `count` micro-batches of `size`
-        samples each, starting at row `start`.
-
-    Raises:
-        ValueError: If `micro_batches` is not an integer >= 1.
-
-    Example:
-
-    >>> micro_batch_segments(10, 4)
-    ((0, 4, 2), (8, 1, 2))
-    """
-    k = min(validate_micro_batches(micro_batches), batch_size)
-    size, left_over = divmod(batch_size, k)
-    segments = [(0, k, size)]
-    if left_over:
-        segments.append((k * size, 1, left_over))
-    return tuple(segments)
 
 
 def micro_batch_rows(batch_size, micro_batches):
