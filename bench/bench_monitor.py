@@ -250,8 +250,7 @@ def fit_path(log_dir, with_guard, plan=False):
         function = guard._run.function
         function.step_for = lambda micro_batches: lambda data: train_logs
         function._state_built = True  # nothing to build for the stand-in
-        guard.controller.start(min(limit for limit in guard._limits if limit))
-        guard._started = True
+        guard.session.start(guard.session.smallest_limit)
         batch = (tf.zeros([BATCH, FEATURES]), tf.zeros([BATCH], tf.int64))
         iterator = itertools.repeat(batch)
     else:
