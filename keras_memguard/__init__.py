@@ -18,6 +18,7 @@ _EXPORTS = {
     "CompiledStepOutOfMemoryError": "keras_memguard.errors",
     "DevicesAlreadyInitializedError": "keras_memguard.errors",
     "DistributedOutOfMemoryError": "keras_memguard.errors",
+    "GrowthResult": "keras_memguard.growth",
     "MemGuardError": "keras_memguard.errors",
     "MemGuardMixin": "keras_memguard.backends",
     "MemoryGuard": "keras_memguard.callbacks.guard",
@@ -31,6 +32,7 @@ _EXPORTS = {
     "advise": "keras_memguard.advice",
     "configure_devices": "keras_memguard.devices",
     "configured_memory_limits": "keras_memguard.devices",
+    "check_growth": "keras_memguard.growth_check",
     "find_batch_size": "keras_memguard.batch_size_finder",
     "prepare_multi_worker": "keras_memguard.backends.tensorflow.multi_worker",
 }

@@ -49,6 +49,12 @@ A backend's `protocol` module provides:
   `training_note(name, guarded)`, `training_data(x, y, steps)` and
   `step_peak(model, x, y, micro_batches, measured_bytes)`.
 
+- `growth_evidence()`: the backend's `growth` module, what the growth
+  evidence (`keras_memguard.growth_check.snapshot`) asks of it:
+  `count(objects, kinds)` (figures over `gc.get_objects()`:
+  `traced_functions`, `cached_datasets`, `live_tensors_mib`, where the
+  backend has them) and `nbytes(value)` (a framework tensor's bytes, or
+  `None`).
 - `sees_gpu()`: whether the framework lists a GPU (asked only where NVML
   is missing, to say why).
 - `record_writer(path)`: the writer of TensorBoard's event records, or

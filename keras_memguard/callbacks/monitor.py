@@ -8,6 +8,8 @@ import warnings
 import keras
 
 from keras_memguard import backends
+from keras_memguard import growth as growth_test
+from keras_memguard import growth_check
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks.sampling import resolve_limits
 from keras_memguard.callbacks.sampling import shared_reader
@@ -22,6 +24,27 @@ PEAK_LOG_KEY = "memory_peak_mib"
 _MIB = float(1024 * 1024)
 USAGE_LOG_KEY = "memory_usage"
 HOST_RSS_LOG_KEY = "host_rss_mib"
+GROWTH_LOG_KEY = "memory_growth_mib_per_epoch"
+# Tag templates of the floor test (`{dev}` as in `sinks.tensorboard`, or
+# `host` for the resident memory).
+FLOOR_MIB = "memory/{dev}/floor_mib"
+GROWTH_MIB_PER_EPOCH = "memory/{dev}/growth_mib_per_epoch"
+HOST = "host"
+# An epoch's floors kept as rows; at this many, neighbours merge pairwise
+# (the lower kept), so a long epoch holds a bounded list.
+_MAX_FLOOR_ROWS = 4096
+
+# Across calls, in this process: one `Series` per (kind, series name), the
+# calls counted per kind, what was said, and the last call recorded (its
+# `params` dict, shared by every callback of one call).
+_calls = {
+    "series": {},
+    "count": {},
+    "said": set(),
+    "facts": {},
+    "last": None,
+    "baseline": None,
+}
 
 
 class MemoryMonitor(keras.callbacks.Callback):
@@ -49,7 +72,29 @@ class MemoryMonitor(keras.callbacks.Callback):
     - `memory/host/rss_mib`: the process's resident memory (not written
       where there is no `/proc`; one INFO line on the `keras_memguard`
       logger says so);
-    - at each epoch end: `memory/{dev}/epoch_peak_mib`.
+    - at each epoch end: `memory/{dev}/epoch_peak_mib`, and with `growth`:
+      `memory/{dev}/floor_mib` and `memory/host/floor_mib` (the epoch's
+      floor: the lowest memory in use between steps), and
+      `memory/{dev}/growth_mib_per_epoch` (`host` too) once that floor is
+      found to keep rising.
+
+    **Growth.** With `growth=True`, the memory in use after each sampled
+    step (the next batch's starting floor: one number the sample already
+    has) and the RSS are kept per epoch; at each epoch end (never per
+    batch) the floors since the fit's first epoch (its warm-up: first
+    allocations, an input pipeline filling, the first validation pass)
+    are tested for a rising trend (`keras_memguard.growth`: a rank-based
+    Mann-Kendall test with the Theil-Sen median slope). Across calls in
+    this process (every `fit`, and every `evaluate` and `predict` given
+    a `MemoryMonitor`), the floor after each call is tested the same way,
+    per kind of call. When a floor keeps rising, one WARNING on the
+    `keras_memguard` logger says how fast (MiB per epoch or per call), at
+    which epoch or call the limit is reached at that rate, and the
+    evidence counted at that moment (live Keras models and variables and
+    traced functions against the start, lists held by callbacks, cached
+    `tf.data` pipelines, memory outside the step). The epoch logs get
+    `memory_growth_mib_per_epoch` from then on; `growth` holds the latest
+    `GrowthResult` of each series.
 
     The step is a global batch counter that keeps rising across epochs and
     across repeated `fit` calls with the same callback; epoch scalars are
@@ -108,6 +153,8 @@ class MemoryMonitor(keras.callbacks.Callback):
             does not fill the disk (each trace is typically a few hundred
             KiB to a few MiB). Later spikes are only compared. Defaults to
             `1`.
+        growth: Whether to watch the floor for growth (see above). Defaults
+            to `False`.
 
     Raises:
         ValueError: If an argument is not valid (the message names it and
@@ -143,6 +190,7 @@ class MemoryMonitor(keras.callbacks.Callback):
         profile_spikes=False,
         spike_fraction=0.25,
         max_profiles=1,
+        growth=False,
     ):
         super().__init__()
         if update_freq not in ("batch", "epoch") and (
@@ -181,6 +229,10 @@ class MemoryMonitor(keras.callbacks.Callback):
                 "`max_profiles` must be a positive integer. "
                 f"Received: max_profiles={max_profiles!r}"
             )
+        if not isinstance(growth, bool):
+            raise ValueError(
+                f"`growth` must be True or False. Received: growth={growth!r}"
+            )
         if profile_spikes and log_dir is None:
             raise ValueError(
                 "`profile_spikes=True` needs a `log_dir`: the traces are "
@@ -205,6 +257,21 @@ class MemoryMonitor(keras.callbacks.Callback):
         self.profile_spikes = profile_spikes
         self.spike_fraction = spike_fraction
         self.max_profiles = max_profiles
+        self.growth_enabled = growth
+        # Floors of the epoch: one `(samples, rss)` per sample; None when off.
+        self._floors = [] if growth else None
+        self._growth_config = growth_test.make_config()
+        self._host_config = growth_test.host_config()
+        # Per fit: series name -> `growth.Series` over epochs; the fit's
+        # epochs seen; the last epoch's floor per series (for the call
+        # series); the first tested epoch's (floor, peak) per device.
+        self._fit_series = {}
+        self._fit_epochs = 0
+        self._last_floors = {}
+        self._first_demand = {}
+        self._said = set()
+        self._facts = {}
+        self._results = {}
         # None when off: the per-batch paths check only this attribute.
         self._spikes = (
             backends.current().spike_profiler(log_dir, spike_fraction, max_profiles)
@@ -249,6 +316,17 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._reader.register(self, self.memory_limit)
 
     @property
+    def growth(self):
+        """The latest `GrowthResult` of each series, by name.
+
+        Keys are `"epoch:<series>"` for the epochs of the current or last
+        `fit` and `"<kind>:<series>"` for the calls of a kind (`"fit"`,
+        `"evaluate"`, `"predict"`) in this process; `<series>` is a device
+        (`"cpu0"`, `"gpu0"`) or `"host"`.
+        """
+        return dict(self._results)
+
+    @property
     def profiles(self):
         """The trace files written with `profile_spikes`, oldest first.
 
@@ -275,12 +353,21 @@ class MemoryMonitor(keras.callbacks.Callback):
         if self._spikes is not None:
             self._spikes.begin_fit()
         self._contributed = None
+        if self._floors is not None:
+            self._begin_growth_call()
+            self._fit_series = {}
+            self._fit_epochs = 0
+            self._first_demand = {}
+            self._last_floors = {}
+            self._floors = []
         self._carrier = logs_carrier.attach(
             self.model, self, self._contribute, self.params
         )
 
     def on_train_end(self, logs=None):
         self._in_fit = False
+        if self._floors is not None:
+            self._end_growth_call("fit", self._last_floors, self._series_limits())
         self._contributed = None
         if self._spikes is not None:
             self._spikes.end_fit()
@@ -351,7 +438,17 @@ class MemoryMonitor(keras.callbacks.Callback):
         if epoch_steps is not None and batch + 1 >= epoch_steps:
             self._sample(None, key, self.update_freq == "epoch")
 
+    def on_predict_begin(self, logs=None):
+        if self._floors is not None:
+            self._begin_growth_call()
+
+    def on_predict_end(self, logs=None):
+        if self._floors is not None:
+            self._end_growth_call("predict", *self._call_floors())
+
     def on_test_begin(self, logs=None):
+        if self._floors is not None and not self._in_fit:
+            self._begin_growth_call()
         # Fallback when the epoch's length is unknown: close the training
         # interval so that validation memory is not counted in it.
         if self._in_fit and self._open_interval:
@@ -360,6 +457,8 @@ class MemoryMonitor(keras.callbacks.Callback):
     def on_test_end(self, logs=None):
         if self._in_fit:
             self._reader.reset()
+        elif self._floors is not None:
+            self._end_growth_call("evaluate", *self._call_floors())
 
     def on_epoch_end(self, epoch, logs=None):
         if self._open_interval:
@@ -380,6 +479,8 @@ class MemoryMonitor(keras.callbacks.Callback):
         if logs is not None:
             _put(logs, PEAK_LOG_KEY, peak_mib)
             _put(logs, USAGE_LOG_KEY, usage)
+        if self._floors is not None:
+            scalars += self._growth_epoch_end(logs)
         if self._writer is not None:
             self._writer.write(self._step, scalars)
             self._writer.flush()
@@ -461,6 +562,181 @@ class MemoryMonitor(keras.callbacks.Callback):
                 self._writer.write(self._step, self._nvml_scalars())
         if self._spikes is not None:
             self._spikes.after_sample(peak_mib, self._step)
+        floors = self._floors
+        if floors is not None:
+            floors.append((samples, rss))
+            if len(floors) >= _MAX_FLOOR_ROWS:
+                self._compress_floors()
+
+    # Growth of the floor. Every method below is called at an epoch's or a
+    # call's end (never per batch) and never raises: a failure is logged
+    # at DEBUG and the series goes on without that point.
+
+    def _growth_epoch_end(self, logs):
+        """Tests the fit's floors at an epoch end; returns scalars to write."""
+        try:
+            return self._test_epoch(logs)
+        except Exception as error:  # The detector never stops training.
+            logger.debug("growth test skipped at this epoch: %s", error)
+            return []
+
+    def _compress_floors(self):
+        """Halves the epoch's rows: each pair becomes its lower floors."""
+        rows = [(_currents(row[0]), row[1]) for row in self._floors]
+        merged = []
+        for i in range(0, len(rows) - 1, 2):
+            (a, rss_a), (b, rss_b) = rows[i], rows[i + 1]
+            merged.append(
+                (tuple(_min(x, y) for x, y in zip(a, b)), _min(rss_a, rss_b))
+            )
+        if len(rows) % 2:
+            merged.append(rows[-1])
+        self._floors = merged
+
+    def _config_of(self, name):
+        return self._host_config if name == HOST else self._growth_config
+
+    def _series_limits(self):
+        limits = dict(zip(self._devices or (), self._limits))
+        limits[HOST] = growth_check.host_limit_bytes()
+        return limits
+
+    def _test_epoch(self, logs):
+        floors, self._floors = self._floors, []
+        if not floors or self._devices is None:
+            return []
+        epoch = self._fit_epochs
+        self._fit_epochs += 1
+        rows = [_currents(row[0]) for row in floors]
+        values = {
+            device: [row[i] for row in rows] for i, device in enumerate(self._devices)
+        }
+        values[HOST] = [row[1] for row in floors]
+        scalars = []
+        growing_rate = None
+        limits = self._series_limits()
+        peaks = dict(zip(self._devices, self._epoch_peaks or ()))
+        self._last_floors = {}
+        for name, series_values in values.items():
+            present = [v for v in series_values if v is not None]
+            if not present:
+                continue
+            floor = min(present)
+            self._last_floors[name] = floor
+            scalars.append((FLOOR_MIB.format(dev=name), tb.to_mib(floor)))
+            if epoch == 0:
+                continue  # the warm-up epoch
+            if name not in self._first_demand and peaks.get(name) is not None:
+                self._first_demand[name] = (floor, peaks[name])
+            xs, ys = growth_test.block_floors(series_values, float(epoch))
+            series = self._fit_series.get(name) or growth_test.new_series()
+            config = self._config_of(name)
+            series = self._fit_series[name] = growth_test.add_points(config, series, xs, ys)
+            result = growth_test.assess(
+                config, name, "epoch", series.xs, series.ys, limits.get(name)
+            )
+            if result.growing:
+                if ("fit", name) not in self._said:
+                    self._said.add(("fit", name))
+                    self._facts[("fit", name)] = self._evidence(
+                        "epoch", name, floor, peaks.get(name)
+                    )
+                    result = result._replace(evidence=self._facts[("fit", name)])
+                    self._warn(result, "this fit")
+                result = result._replace(evidence=self._facts.get(("fit", name), ()))
+                rate = result.slope_mib
+                scalars.append((GROWTH_MIB_PER_EPOCH.format(dev=name), rate))
+                growing_rate = rate if growing_rate is None else max(growing_rate, rate)
+            self._results["epoch:" + name] = result
+        if logs is not None and growing_rate is not None:
+            logs[GROWTH_LOG_KEY] = growing_rate
+        return scalars
+
+    def _evidence(self, unit, name=None, floor=None, peak=None):
+        facts = list(
+            growth_check.evidence(_calls["baseline"], growth_check.snapshot(), unit)
+        )
+        first = self._first_demand.get(name)
+        if first is not None and floor is not None and peak is not None:
+            facts.append(
+                growth_test.Evidence(
+                    "outside_step",
+                    floor / _MIB,
+                    first[0] / _MIB,
+                    f"memory held outside the step rose from {first[0] / _MIB:.1f} "
+                    f"to {floor / _MIB:.1f} MiB while the step's own demand "
+                    f"(peak minus floor) went from {(first[1] - first[0]) / _MIB:.1f} "
+                    f"to {(peak - floor) / _MIB:.1f} MiB",
+                )
+            )
+        return tuple(facts)
+
+    def _warn(self, result, where):
+        text = growth_test.warning_text(result, where)
+        logger.warning(text)
+
+    def _begin_growth_call(self):
+        """Takes the process's evidence baseline at the first call (once)."""
+        if _calls["baseline"] is None:
+            try:
+                _calls["baseline"] = growth_check.snapshot()
+            except Exception as error:
+                _calls["baseline"] = {}
+                logger.debug("growth evidence baseline not taken: %s", error)
+
+    def _call_floors(self):
+        """The floors after an `evaluate` or `predict` call: one reading."""
+        try:
+            samples = self._reader.read(self, None)
+        except Exception as error:
+            logger.debug("no floor after this call: %s", error)
+            return {}, {}
+        floors = {s.device: s.current_bytes for s in samples if s.current_bytes is not None}
+        try:
+            limits = dict(
+                zip(
+                    (s.device for s in samples),
+                    resolve_limits(self._reader.probe, self.memory_limit),
+                )
+            )
+        except Exception:  # No limit: no projection.
+            limits = {}
+        limits[HOST] = growth_check.host_limit_bytes()
+        rss = self._host_probe.rss_bytes()
+        if rss is not None:
+            floors[HOST] = rss
+        return floors, limits
+
+    def _end_growth_call(self, kind, floors, limits):
+        """Adds a call's floors to the process's series of its kind; tests them."""
+        try:
+            params = self.params
+            if params is not None and params is _calls["last"]:
+                return  # another monitor of this call recorded it
+            _calls["last"] = params
+            if not floors:
+                return
+            index = _calls["count"].get(kind, 0)
+            _calls["count"][kind] = index + 1
+            for name, floor in floors.items():
+                key = (kind, name)
+                series = _calls["series"].get(key) or growth_test.new_series()
+                config = self._config_of(name)
+                series = _calls["series"][key] = growth_test.add_points(
+                    config, series, (float(index),), (floor,)
+                )
+                result = growth_test.assess(
+                    config, name, "call", series.xs, series.ys, limits.get(name)
+                )
+                if result.growing and key not in _calls["said"]:
+                    _calls["said"].add(key)
+                    _calls["facts"][key] = self._evidence("call")
+                    self._warn(result._replace(evidence=_calls["facts"][key]), f"{kind} calls")
+                if result.growing:
+                    result = result._replace(evidence=_calls["facts"].get(key, ()))
+                self._results[f"{kind}:{name}"] = result
+        except Exception as error:  # The detector never stops training.
+            logger.debug("growth test skipped after this call: %s", error)
 
     def _nvml_scalars(self):
         scalars = []
@@ -472,6 +748,21 @@ class MemoryMonitor(keras.callbacks.Callback):
                 (tags["gpu_percent"], reading.gpu_utilization_percent),
             )
         return scalars
+
+
+def _currents(samples):
+    """Each device's bytes in use: from samples, or a compressed row as is."""
+    return tuple(
+        s if s is None or isinstance(s, int) else s.current_bytes for s in samples
+    )
+
+
+def _min(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a if a <= b else b
 
 
 def _max(a, b):

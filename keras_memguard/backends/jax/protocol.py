@@ -57,3 +57,10 @@ def sees_gpu():
 def record_writer(path):
     """`None`: TensorBoard's own record writer is used (no TensorFlow here)."""
     return None
+
+
+def growth_evidence():
+    """What the growth evidence asks of jax (its `growth` module)."""
+    from keras_memguard.backends.jax import growth
+
+    return growth

@@ -66,3 +66,10 @@ def record_writer(path):
     import tensorflow as tf
 
     return tf.io.TFRecordWriter(path)
+
+
+def growth_evidence():
+    """What the growth evidence asks of tensorflow (its `growth` module)."""
+    from keras_memguard.backends.tensorflow import growth
+
+    return growth
