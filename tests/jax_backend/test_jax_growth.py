@@ -5,6 +5,9 @@ JAX's CPU device has no memory statistics: the device series is missing
 """
 
 import logging
+import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import keras
@@ -14,7 +17,37 @@ import pytest
 import keras_memguard
 
 
+_CHILD = "MEMGUARD_GROWTH_TEST_CHILD"
+
+
+def _in_a_fresh_process(name):
+    """Runs test `name` in a new pytest process; `True` in the parent.
+
+    JAX's CPU device keeps no statistics, so the floor is the process's
+    resident memory: in a process that has freed memory before (earlier
+    tests), new arrays reuse those pages and the resident memory does not
+    rise until they are used up. A leak shows from the start only in a
+    fresh process.
+    """
+    if os.environ.get(_CHILD):
+        return False
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         f"{__file__}::{name}"],
+        env=dict(os.environ, **{_CHILD: "1"}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-4000:]
+    return True
+
+
+@pytest.mark.slow
 def test_check_growth_finds_arrays_kept_in_a_list():
+    if _in_a_fresh_process("test_check_growth_finds_arrays_kept_in_a_list"):
+        return
     kept = []
 
     def leak():
@@ -54,7 +87,10 @@ def _fit(callbacks):
     return model.fit(x, y, batch_size=64, epochs=5, verbose=0, callbacks=callbacks)
 
 
+@pytest.mark.slow
 def test_monitor_finds_outputs_kept_by_a_callback_in_host_memory(caplog):
+    if _in_a_fresh_process("test_monitor_finds_outputs_kept_by_a_callback_in_host_memory"):
+        return
     monitor = keras_memguard.MemoryMonitor(growth=True)
     with caplog.at_level(logging.WARNING, logger="keras_memguard"):
         history = _fit([monitor, _KeepOutputs()])
