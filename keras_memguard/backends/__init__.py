@@ -21,7 +21,8 @@ A backend's `protocol` module provides:
   identifies the `fit` (the callbacks' shared `params`), `log_key` is the
   logs key the micro-batch count goes under.
 - `inference_run(session, kind)`: the run of one `evaluate` or `predict`
-  (`after_batch`, `end`), or `None` where that call runs unguarded.
+  (`after_batch`, `end`), or `None` where that call runs unguarded (a
+  TensorFlow model its slices cannot serve).
 - `mixin_class()`: that backend's `MemGuardMixin`.
 - `VALIDATION_IN_FIT`: whether `fit`'s validation is guarded by the
   training run (`begin_validation` / `end_validation`) rather than as an
@@ -48,7 +49,6 @@ A backend's `protocol` module provides:
   `search_context(model)`, `guarded(name, fits)`,
   `training_note(name, guarded)`, `training_data(x, y, steps)` and
   `step_peak(model, x, y, micro_batches, measured_bytes)`.
-
 - `growth_evidence()`: the backend's `growth` module, what the growth
   evidence (`keras_memguard.growth_check.snapshot`) asks of it:
   `count(objects, kinds)` (figures over `gc.get_objects()`:
