@@ -310,7 +310,7 @@ def _before_initialization(setting):
 
 def _tensorflow_initialized():
     """Whether TensorFlow has initialized its devices; `None` if unknown."""
-    from keras_memguard.backends.tensorflow import compat
+    from keras_memguard.backends import compat
 
     return compat.tensorflow_initialized()
 

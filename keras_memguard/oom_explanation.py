@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import keras
 
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 
 MEMORY_DUMP_VARIABLE = "TF_BFC_MEMORY_DUMP"
 _MIB = 1024 * 1024

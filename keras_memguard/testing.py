@@ -62,7 +62,7 @@ def act_as_gpu():
     global _gpu_jit
     from keras_memguard.backends.tensorflow import region
     from keras_memguard.backends.tensorflow.probe import AllocatorProbe
-    from keras_memguard.backends.tensorflow import compat
+    from keras_memguard.backends import compat
 
     probe = AllocatorProbe()
     if probe.mode != "bfc":

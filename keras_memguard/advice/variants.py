@@ -18,7 +18,7 @@ import keras
 import numpy as np
 
 from keras_memguard import backends
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 
 BASELINE = "float32"
 POLICIES = ("mixed_float16", "mixed_bfloat16")

@@ -28,7 +28,7 @@ train end.
 The carrier costs one Python call per contributor per execution.
 """
 
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 from keras_memguard import step_functions as functions
 
 __all__ = ["LogsCarrier", "attach", "current", "detach", "reinstall"]

@@ -10,7 +10,6 @@ largest that fits trains in micro-batches under the guard.
 import json
 
 import keras
-import numpy as np
 import pytest
 
 from keras_memguard import backends

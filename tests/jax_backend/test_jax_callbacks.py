@@ -33,8 +33,8 @@ from keras_memguard.backends.jax import probe as jax_probe
 from keras_memguard.backends.jax.compiled import spec_of
 from keras_memguard.backends.jax.compiled import step_memory
 from keras_memguard.report.cli import make_report
-from keras_memguard.backends.tensorflow.compat import jax_state
-from keras_memguard.backends.tensorflow.compat import symbolic_build
+from keras_memguard.backends.compat import jax_state
+from keras_memguard.backends.compat import symbolic_build
 from tensorboard.backend.event_processing import event_accumulator
 
 BATCH = 512

@@ -5,7 +5,7 @@ import importlib
 import keras
 import pytest
 
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 
 
 def _owner(path):

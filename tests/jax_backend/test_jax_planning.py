@@ -9,8 +9,8 @@ from keras_memguard.backends.jax import ReplayingTrainFunction
 from keras_memguard.backends.jax import StepCache
 from keras_memguard.backends.jax import excess_bytes
 from keras_memguard.backends.jax import plan_micro_batches
-from keras_memguard.backends.tensorflow.compat import jax_state
-from keras_memguard.backends.tensorflow.compat import symbolic_build
+from keras_memguard.backends.compat import jax_state
+from keras_memguard.backends.compat import symbolic_build
 from keras_memguard.compiled_plan import StepMemory
 from keras_memguard.backends.jax.compiled import spec_of
 

@@ -19,7 +19,7 @@ from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.backends.jax import ReplayingTrainFunction
 from keras_memguard.backends.jax import StepCache
 from keras_memguard.backends.jax import is_out_of_memory
-from keras_memguard.backends.tensorflow.compat import jax_state
+from keras_memguard.backends.compat import jax_state
 from keras_memguard.backends.jax.replay import failed_allocation_bytes
 from xla_errors import autotuner_out_of_memory
 

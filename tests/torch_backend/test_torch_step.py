@@ -21,7 +21,7 @@ from torch_models import make_mlp
 from torch_models import max_relative_difference
 from torch_models import mlp_data
 from torch_models import twins
-from keras_memguard.backends.torch import compat
+from keras_memguard.backends import compat
 from keras_memguard.backends.torch.replay import ReplayingTrainFunction
 from keras_memguard.backends.torch.step import micro_batch_rows
 from keras_memguard.backends.torch.step import micro_batch_segments
@@ -161,7 +161,7 @@ def test_every_private_name_resolves():
     model = make_mlp()
     x, y = mlp_data(8)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    for owner, name in compat.PRIVATE_NAMES:
+    for owner, name in compat.TORCH_PRIVATE_NAMES:
         if owner == "CompileLoss":
             assert hasattr(model._compile_loss, name), name
         elif owner == "keras.Model":

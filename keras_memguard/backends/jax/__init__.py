@@ -2,7 +2,7 @@
 
 The counterpart of `keras_memguard.backends.tensorflow` for `KERAS_BACKEND=jax`, and
 the only package that touches the JAX trainer's internals (through
-`keras_memguard.backends.tensorflow.compat`). Its modules, one responsibility each:
+`keras_memguard.backends.compat`). Its modules, one responsibility each:
 `step` (the micro-batched, non-donating train step), `compiled` (compiled
 steps per count and batch shapes, and what XLA says they need), `planning`
 (the smallest count whose compiled step fits), `replay` (the train function

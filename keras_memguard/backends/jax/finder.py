@@ -16,7 +16,7 @@ import numpy as np
 import jax
 
 from keras_memguard.backends.jax.compiled import StepCache
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 
 # How the search runs here: compiled steps' memory analyses, no steps.
 SEARCH = "compiled"

@@ -27,7 +27,7 @@ from keras_memguard.backends.jax.replay import failed_allocation_bytes
 from keras_memguard.backends.jax.replay import is_out_of_memory
 from keras_memguard.backends.jax.replay import StepOutOfMemory
 from keras_memguard.backends.jax.step import batch_size_of
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 
 
 def _slice(data, start, stop):

@@ -24,7 +24,7 @@ from keras_memguard.decider import validate_micro_batches
 from keras_memguard.backends.jax.compiled import StepCache
 from keras_memguard.compiled_plan import StepMemory
 from keras_memguard.backends.jax.step import batch_size_of
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 
 # absl::StatusCode::kResourceExhausted, the status XLA gives out-of-memory
 # errors.

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from keras_memguard.backends.shared import micro_batch_segments
 from keras_memguard.decider import validate_micro_batches
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 
 
 def batch_size_of(data):

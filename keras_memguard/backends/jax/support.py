@@ -1,7 +1,7 @@
 """What the JAX training core cannot guard yet, said before `fit` starts."""
 
 from keras_memguard.errors import UnsupportedTrainingSetupError
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 
 
 def unsupported_reason(model):

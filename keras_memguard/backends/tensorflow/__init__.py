@@ -1,7 +1,7 @@
 """The training core: micro-batched steps and the out-of-memory replay.
 
 The only package that touches Keras' training internals (through
-`keras_memguard.backends.tensorflow.compat`). Its modules, one responsibility each:
+`keras_memguard.backends.compat`). Its modules, one responsibility each:
 `splitting` (cutting a batch into micro-batches), `accumulation` (the
 micro-batch loop and what it sums), `step` (the train step, its compiled
 functions and their cache), `replay` (the train function that pulls a batch

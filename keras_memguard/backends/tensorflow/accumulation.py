@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 from keras_memguard.backends.tensorflow import remat
 from keras_memguard.backends.tensorflow.splitting import first_tensor
 from keras_memguard.backends.tensorflow.splitting import leading_size

@@ -38,7 +38,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_memguard.errors import UnsupportedTrainingSetupError
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 from keras_memguard import step_functions as functions
 from keras_memguard.backends.tensorflow.replay import batch_size_of
 from keras_memguard.backends.tensorflow.replay import run_execution

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 from keras_memguard.backends.tensorflow import region
 from keras_memguard.backends.tensorflow import xla_memory
 from keras_memguard.backends.tensorflow.replay import sample_size_of as _sample_size_of

@@ -67,7 +67,7 @@ from keras import tree
 from keras_memguard.errors import DistributedOutOfMemoryError
 from keras_memguard.errors import UnsupportedTrainingSetupError
 
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 from keras_memguard import step_functions as functions
 from keras_memguard.backends.tensorflow.accumulation import accumulate_gradients
 from keras_memguard.backends.tensorflow.accumulation import build_metrics

@@ -23,7 +23,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_memguard.errors import UnsupportedTrainingSetupError
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 from keras_memguard import step_functions as functions
 from keras_memguard.backends.tensorflow.eval_replay import optionals_to_none
 from keras_memguard.backends.tensorflow.eval_replay import relaxed_spec

@@ -20,7 +20,7 @@ refused, and so are models with a `train_step` or `call` of their own.
 import keras
 import tensorflow as tf
 
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 
 RUNG = "remat"
 SEGMENT_LAYERS = 3

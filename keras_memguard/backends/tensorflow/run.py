@@ -27,7 +27,7 @@ from keras_memguard.compiled_plan import excess_bytes
 from keras_memguard.compiled_plan import plan_micro_batches
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.backends.tensorflow import region
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 from keras_memguard.backends.tensorflow import multi_worker
 from keras_memguard.backends.tensorflow import remat
 from keras_memguard.backends.tensorflow import xla_memory

@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 
 
 def describe_setup(model, data, devices, limits, mode):

@@ -21,7 +21,7 @@ import keras
 import tensorflow as tf
 
 from keras_memguard.errors import UnsupportedTrainingSetupError
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 from keras_memguard.backends.tensorflow import remat
 from keras_memguard.backends.tensorflow.accumulation import ACCUMULATED_ATTR
 from keras_memguard.backends.tensorflow.accumulation import _micro_batch

@@ -14,7 +14,7 @@ so one planner (`keras_memguard.compiled_plan`) chooses the count on both.
 import tensorflow as tf
 
 from keras_memguard.compiled_plan import StepMemory
-from keras_memguard.backends.tensorflow import compat
+from keras_memguard.backends import compat
 
 
 def uses_xla(model):

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 import torch
 
-from keras_memguard.backends.torch import compat
+from keras_memguard.backends import compat
 from keras_memguard.backends.torch import run as torch_run
 from keras_memguard.backends.torch.replay import free_memory
 from keras_memguard.backends.torch.replay import is_out_of_memory
@@ -159,7 +159,7 @@ def largest_compiled(model, source, room, ran, upper):
 
 
 def _epoch_iterator(source, size):
-    iterator_class = compat.epoch_iterator_class()
+    iterator_class = compat.torch_epoch_iterator_class()
     x, y, sample_weight = source.adapter_arguments(size)
     return iterator_class(
         x=x,

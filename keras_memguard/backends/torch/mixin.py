@@ -9,7 +9,7 @@ the backend.
 """
 
 from keras_memguard import step_functions as functions
-from keras_memguard.backends.torch import compat
+from keras_memguard.backends import compat
 from keras_memguard.backends.torch.replay import ReplayingTrainFunction
 from keras_memguard.backends.torch.replay import double_micro_batches
 from keras_memguard.backends.torch.step import validate_mode

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from keras_memguard.backends.torch import compat
+from keras_memguard.backends import compat
 from keras_memguard.backends.torch.step import StepProgress
 from keras_memguard.backends.torch.step import batch_size_of
 from keras_memguard.backends.torch.step import run_step

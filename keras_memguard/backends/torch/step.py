@@ -38,7 +38,7 @@ import warnings
 import keras
 import torch
 
-from keras_memguard.backends.torch import compat
+from keras_memguard.backends import compat
 from keras_memguard.backends.shared import micro_batch_segments
 from keras_memguard.decider import validate_micro_batches
 
@@ -214,7 +214,8 @@ def _exact_mask(model, masks, micro_batches):
     warning once.
     """
     if len(masks) == 1 and compat.loss_term_count(model) <= 1:
-        return masks[0]
+        # Plain numbers: read without a gradient, the step weights by them.
+        return tuple(float(keras.ops.convert_to_numpy(value)) for value in masks[0])
     if masks and not getattr(model, _MASKED_LOSSES_WARNED_ATTR, False):
         object.__setattr__(model, _MASKED_LOSSES_WARNED_ATTR, True)
         warnings.warn(

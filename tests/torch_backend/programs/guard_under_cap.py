@@ -25,7 +25,6 @@ instead, so the tests say which step failed.
 
 import gc
 import logging
-import math
 import os
 import re
 import resource
@@ -36,7 +35,6 @@ os.environ["KERAS_BACKEND"] = "torch"
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 import keras_memguard  # noqa: E402
 from keras_memguard.backends.torch.mixin import MemGuardMixin  # noqa: E402

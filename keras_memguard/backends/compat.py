@@ -2,17 +2,23 @@
 
 keras_memguard trains through the same pieces Keras' own train steps use
 (the compiled loss, the loss tracker, the per-replica reduction on
-TensorFlow; the stateless loss and metrics updates on JAX). Those pieces
+TensorFlow; the stateless loss and metrics updates on JAX; the torch
+trainer's step and epoch iterator on PyTorch). Those pieces
 are private and move between releases, so no other module names them: they
 go through the functions here, which detect what the installed version has
 and raise `UnsupportedTrainingSetupError` naming the versions when something
 is missing. Checked against TensorFlow 2.18 with Keras 3.8 through
 TensorFlow 2.21 with Keras 3.15 (`PRIVATE_NAMES` lists each name; the test
-suite resolves every one on both ends), and Keras 3.15's JAX trainer
-(`JAX_PRIVATE_NAMES`, resolved by the JAX tests).
+suite resolves every one on both ends), Keras 3.15's JAX trainer
+(`JAX_PRIVATE_NAMES`, resolved by the JAX tests) and its torch trainer
+(`TORCH_PRIVATE_NAMES`, resolved by the torch tests; checked on Keras 3.8
+too: 3.8's `apply_mask` divides by `valid + epsilon` where 3.15 uses
+`divide_no_nan`, and 3.8's loss tracker counts the first input's rows
+where 3.15 counts the first input that is not `None`; neither changes what
+the functions here return).
 
-TensorFlow is imported on first use, so that the JAX backend's training
-core can use this module where TensorFlow is not installed.
+TensorFlow is imported on first use, so that the JAX and PyTorch backends'
+training cores can use this module where TensorFlow is not installed.
 """
 
 import contextlib
@@ -79,6 +85,19 @@ JAX_PRIVATE_NAMES = (
     ("keras.src.backend.jax.trainer.JAXTrainer", "_get_jax_state"),
     ("keras.src.backend.jax.trainer.JAXTrainer", "jax_state_sync"),
     ("keras.Model", "_symbolic_build"),
+)
+# The torch trainer's private names, resolved where torch is installed.
+TORCH_PRIVATE_NAMES = (
+    ("keras.src.backend.torch.trainer", "TorchTrainer"),
+    ("keras.src.backend.torch.trainer", "TorchEpochIterator"),
+    ("keras.src.losses.loss", "apply_mask"),
+    ("keras.Model", "_compute_loss"),
+    ("keras.Model", "_loss_tracker"),
+    ("keras.Model", "_compile_loss"),
+    ("keras.Model", "_compile_metrics"),
+    ("keras.Model", "_call_has_training_arg"),
+    ("keras.Model", "_symbolic_build"),
+    ("CompileLoss", "_flat_losses"),
 )
 
 
@@ -638,3 +657,37 @@ def overrides_train_step(model):
 def distribution():
     """The global `keras.distribution` in force, or `None`."""
     return keras.distribution.distribution()
+
+
+# Keras' torch trainer.
+
+
+def torch_trainer_class():
+    """Keras' `TorchTrainer`, whose `train_step` the torch mixin replaces."""
+    return _import_attribute("keras.src.backend.torch.trainer", "TorchTrainer")
+
+
+def torch_epoch_iterator_class():
+    """Keras' `TorchEpochIterator`: batches as torch `fit` yields them."""
+    return _import_attribute("keras.src.backend.torch.trainer", "TorchEpochIterator")
+
+
+def batches_of(data):
+    """The batches Keras' torch `fit` passes to `train_function` at once.
+
+    `fit` and `train_on_batch` call `train_function(data)` with a list of
+    `steps_per_execution` batches (one, as Keras 3.8-3.15 refuse more on
+    torch).
+    """
+    return list(data)
+
+
+def loss_term_count(model):
+    """How many compiled losses the model's loss sums (one per output).
+
+    `0` before the compiled loss is built or without one.
+    """
+    loss = compiled_loss(model)
+    if loss is None:
+        return 0
+    return len(getattr(loss, "_flat_losses", None) or [])
