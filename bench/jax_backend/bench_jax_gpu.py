@@ -101,8 +101,8 @@ def part_analysis(batch, k):
     import numpy as np
 
     from keras_memguard.backends.jax import StepCache
-    from keras_memguard.backends.tensorflow.compat import jax_state
-    from keras_memguard.backends.tensorflow.compat import symbolic_build
+    from keras_memguard.backends.compat import jax_state
+    from keras_memguard.backends.compat import symbolic_build
 
     # The CNN of the analysis table measured on the CPU (bench_jax_plan.py).
     from bench_jax_plan import cnn

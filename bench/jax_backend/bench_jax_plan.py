@@ -21,8 +21,8 @@ import jax  # noqa: E402
 import keras  # noqa: E402
 
 from keras_memguard.backends.jax import StepCache  # noqa: E402
-from keras_memguard.backends.tensorflow.compat import jax_state  # noqa: E402
-from keras_memguard.backends.tensorflow.compat import symbolic_build  # noqa: E402
+from keras_memguard.backends.compat import jax_state  # noqa: E402
+from keras_memguard.backends.compat import symbolic_build  # noqa: E402
 from keras_memguard.backends.jax.compiled import spec_of  # noqa: E402
 
 
