@@ -496,3 +496,40 @@ def test_batch_sizes_in_one_pass_read_per_replica_values(strategy):
         assert replay.sample_size_of(data, strategy) == expected[1]
         assert replay._batch_sizes(data, strategy, True) == expected
         assert replay._batch_sizes(data, strategy, False) == (expected[0], None)
+
+
+class SubclassedNet(keras.Model):
+    """A keras-io style subclassed model: layers in `__init__`, no Input."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+
+class GuardedSubclassedNet(MemGuardMixin, SubclassedNet):
+    pass
+
+
+@pytest.mark.parametrize("jit_compile", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_an_unbuilt_subclassed_model_trains_micro_batched_as_plain_keras(jit_compile):
+    # Its variables and the optimizer's do not exist before `fit`: they are
+    # created before the first micro-batched step, not inside it.
+    def train(cls, **attributes):
+        keras.utils.set_random_seed(3)
+        model = cls()
+        for name, value in attributes.items():
+            setattr(model, name, value)
+        model.compile(optimizer="adam", loss="mse", jit_compile=jit_compile)
+        x = np.arange(64 * 4, dtype="float32").reshape(64, 4) / 256
+        y = x.sum(axis=1, keepdims=True)
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        return [w.numpy() for w in model.weights]
+
+    reference = train(SubclassedNet)
+    micro_batched = train(GuardedSubclassedNet, micro_batches=4)
+    for got, want in zip(micro_batched, reference):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

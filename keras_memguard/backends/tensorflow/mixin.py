@@ -6,6 +6,7 @@ from keras_memguard.backends.tensorflow.replay import run_execution
 from keras_memguard.backends.tensorflow.splitting import validate_micro_batches
 from keras_memguard.backends.tensorflow.splitting import validate_mode
 from keras_memguard.backends.tensorflow.step import MIXIN_STEP_MARK
+from keras_memguard.backends.tensorflow.step import build_training_state
 from keras_memguard.backends.tensorflow.step import micro_batch_train_step
 from keras_memguard.backends.tensorflow.step import step_function
 
@@ -21,11 +22,21 @@ def _iterator_function(model, step):
 
     The batch is pulled eagerly, then the compiled step runs on it; with
     `steps_per_execution > 1`, up to that many batches run and the last
-    logs are returned, as Keras' own train function does.
+    logs are returned, as Keras' own train function does. Before the first
+    batch, the model's, metrics' and optimizer's variables are created
+    from its specs: a subclassed model is unbuilt until then, and the
+    micro-batched step cannot create variables inside its compiled loop.
     """
+    built = []
+
+    def run(data):
+        if not built:
+            build_training_state(model, data)
+            built.append(True)
+        return step(data)
 
     def train_function(iterator):
-        return run_execution(model, iterator, step)
+        return run_execution(model, iterator, run)
 
     return train_function
 
