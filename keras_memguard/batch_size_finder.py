@@ -91,8 +91,7 @@ _MIB = 1024 * 1024
 MAX_GROWTH = 64
 # Steps per trial. Batches the input pipeline prefetches take memory
 # between steps, and where they land splits the free memory: a step can
-# fail after two ran (the 64x64x3 CNN at 142 under 600 MiB failed its
-# third with 515 MiB the peak in use).
+# fail after two ran.
 TRIAL_STEPS = 4
 
 
@@ -316,8 +315,7 @@ def find_batch_size(
                 if best is not None:
                     # The edge is between the best batch and this one: the
                     # middle next, while that gains more than `tolerance`
-                    # (a line through the trials overshot, as Keras 3.8's
-                    # steps at 52 and 90 pointed at 144 under 600 MiB).
+                    # (a line through the trials can overshoot the edge).
                     middle = (best[0] + size) // 2
                     if compiled or middle <= best[0] * (1.0 + tolerance):
                         break
@@ -363,7 +361,7 @@ def find_batch_size(
                 # A larger batch peaked no higher: a block the allocator
                 # rounded up, not the samples, sets the peak here, and the
                 # batch that outgrows it jumps past any line (a few samples
-                # more ran out of memory 100 MiB above the plateau). No
+                # more can run out of memory far above the plateau). No
                 # further guesses.
                 break
             # Close half of the gap: a slope off by less than that stays
@@ -402,9 +400,9 @@ def find_batch_size(
     largest, peak, predicted = best
     if not compiled and backend.TOP_VARIES and largest > 1:
         # At the top, whether a batch trains depends on where the input
-        # pipeline's prefetched batches land in memory: the same batch ran
-        # in one fresh process and failed in the next. `tolerance` of it
-        # below is what trains every time (bench/RESULTS.md).
+        # pipeline's prefetched batches land in memory: the same batch can
+        # run in one fresh process and fail in the next. `tolerance` below
+        # it is the margin for that.
         largest = max(1, int(largest * (1.0 - tolerance)))
     micro_batches = None
     if batch_size is not None:

@@ -2,11 +2,12 @@
 
 XLA assigns every buffer of a compiled step before it runs, so what a step
 needs is known before it first runs: JAX's `memory_analysis()`, TensorFlow's
-buffer assignment (`training/xla_memory.py`), both read into a `StepMemory`.
-Before a batch of a new shape runs, `plan_micro_batches` has the step
-compiled for a few candidate counts and reads what XLA says each needs. A count fits when the memory in use before the step (at least
-the step's arguments) plus what the step allocates, plus a margin, stays
-under `threshold * limit`. The search starts at the smallest count and
+buffer assignment (`backends/tensorflow/xla_memory.py`), both read into a
+`StepMemory`. Before a batch of a new shape runs, `plan_micro_batches` has
+the step compiled for a few candidate counts and reads what XLA says each
+needs. A count fits when the memory in use before the step (at least the
+step's arguments) plus what the step allocates, plus a margin, stays under
+`threshold * limit`. The search starts at the smallest count and
 picks each next candidate from the pure decider's memory model
 (`keras_memguard.decider.predict_demand`) fed the analysed counts as
 readings, then checks it by compiling it: usually two or three compilations

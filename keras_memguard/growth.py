@@ -117,11 +117,11 @@ class GrowthConfig(NamedTuple):
 def host_config(strict=True):
     """The settings for a process's resident memory (RSS), stricter than a device's.
 
-    Resident memory creeps while a process settles, a few hundred KiB to a
-    MiB per call over its first `fit`, `evaluate` and `predict` calls
-    (allocator arenas of new threads, Python's heaps, caches filled once),
-    and jumps by a few MiB at times: a rate of 1 MiB per unit and a rise of
-    3 MiB are asked of it, and with `strict` a significance of 0.01.
+    Resident memory creeps while a process settles over its first `fit`,
+    `evaluate` and `predict` calls (allocator arenas of new threads,
+    Python's heaps, caches filled once), and jumps at times: so a rate of
+    1 MiB per unit and a rise of 3 MiB are asked of it, and with `strict` a
+    significance of 0.01.
 
     Args:
         strict: Whether to ask the 0.01 significance (for `MemoryMonitor`,

@@ -8,8 +8,8 @@ counted cheaply in one pass over the objects the garbage collector tracks:
 live Keras models and variables, the callbacks' lists and what they hold,
 and what the backend adds (`keras_memguard.backends.current().
 growth_evidence()`: traced functions, cached `tf.data` pipelines, live
-tensors). One pass costs tens of milliseconds: it is taken at the start
-and when growth is found, never per batch.
+tensors). A pass is taken at the start and when growth is found, never
+per batch.
 """
 
 import gc

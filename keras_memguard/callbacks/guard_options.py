@@ -5,7 +5,8 @@ from keras_memguard.decider import validate_micro_batches
 from keras_memguard.backends.tensorflow.probe import AllocatorProbe
 
 MODES = ("accumulate", "auto", "shrink")
-# Opt-in rungs past one sample per micro-batch (`training/remat.py`'s RUNG).
+# Opt-in rungs past one sample per micro-batch (the `RUNG` of
+# `backends/tensorflow/remat.py`).
 RUNGS = ("remat",)
 
 

@@ -50,67 +50,22 @@ _calls = {
 class MemoryMonitor(keras.callbacks.Callback):
     """Logs device memory to TensorBoard and to the Keras logs.
 
-    Every sampled batch, the TensorFlow allocator of each device in use
-    (the devices of the model's `tf.distribute` strategy;
-    otherwise `GPU:i`, or `CPU:0` without a GPU) is read: the bytes in use and the
-    highest bytes in use since the previous sample (the per-batch peak, which
-    is what predicts the next out-of-memory error). On NVIDIA GPUs, NVML's
-    device-wide readings are logged beside them. The process's resident
-    memory on the host (RSS, from `/proc/self/statm` on Linux) is read with
-    them, so an input pipeline that holds its data in host memory (a
-    `.cache()`d dataset, arrays copied every epoch) shows up too.
+    Every sampled batch, the allocator of each device in use is read: the
+    bytes in use and the highest bytes in use since the previous sample
+    (the per-batch peak, which is what predicts the next out-of-memory
+    error). The process's resident host memory (RSS) is read with it, and
+    on NVIDIA GPUs NVML's device-wide readings. The batch and epoch `logs`
+    get `memory_peak_mib`, `memory_usage` (peak / limit) and `host_rss_mib`,
+    so the progress bar, `History`, `CSVLogger` and
+    `keras.callbacks.TensorBoard` show them whatever the callbacks' order;
+    with `log_dir`, TensorBoard scalars (`memory/{dev}/peak_mib`, ...) are
+    written to the run `<log_dir>/memguard`.
 
-    TensorBoard scalars are written to the run `<log_dir>/memguard`, next to
-    the runs of `keras.callbacks.TensorBoard` (`{dev}` is `gpu0`, `gpu1`, ...,
-    or `cpu0`):
-
-    - `memory/{dev}/current_mib`, `memory/{dev}/peak_mib`,
-      `memory/{dev}/limit_mib` (when the limit is known) and
-      `memory/{dev}/usage` (peak / limit, 0..1);
-    - with NVML: `memory/{dev}/nvml_used_mib`,
-      `memory/{dev}/nvml_process_mib`, `utilization/{dev}/gpu_percent`;
-    - `memory/host/rss_mib`: the process's resident memory (not written
-      where there is no `/proc`; one INFO line on the `keras_memguard`
-      logger says so);
-    - at each epoch end: `memory/{dev}/epoch_peak_mib`, and with `growth`:
-      `memory/{dev}/floor_mib` and `memory/host/floor_mib` (the epoch's
-      floor: the lowest memory in use between steps), and
-      `memory/{dev}/growth_mib_per_epoch` (`host` too) once that floor is
-      found to keep rising.
-
-    **Growth.** With `growth=True`, the memory in use after each sampled
-    step (the next batch's starting floor: one number the sample already
-    has) and the RSS are kept per epoch; at each epoch end (never per
-    batch) the floors since the fit's first epoch (its warm-up: first
-    allocations, an input pipeline filling, the first validation pass)
-    are tested for a rising trend (`keras_memguard.growth`: a rank-based
-    Mann-Kendall test with the Theil-Sen median slope). Across calls in
-    this process (every `fit`, and every `evaluate` and `predict` given
-    a `MemoryMonitor`), the floor after each call is tested the same way,
-    per kind of call. When a floor keeps rising, one WARNING on the
-    `keras_memguard` logger says how fast (MiB per epoch or per call), at
-    which epoch or call the limit is reached at that rate, and the
-    evidence counted at that moment (live Keras models and variables and
-    traced functions against the start, lists held by callbacks, cached
-    `tf.data` pipelines, memory outside the step). The epoch logs get
-    `memory_growth_mib_per_epoch` from then on; `growth` holds the latest
-    `GrowthResult` of each series.
-
-    The step is a global batch counter that keeps rising across epochs and
-    across repeated `fit` calls with the same callback; epoch scalars are
-    written at the step of the epoch's last batch.
-
-    The batch and epoch `logs` get `memory_peak_mib` and `memory_usage` (the
-    highest over devices): in the batch logs, the peak of the batches since
-    the previous sample (the batch's own peak with `update_freq="batch"`);
-    in the epoch logs, the epoch's peak. They are added to the logs the
-    train function returns, so every callback sees them whatever its place
-    in the `callbacks` list: the progress bar, `History`, `CSVLogger` and
-    `keras.callbacks.TensorBoard` (`batch_memory_peak_mib`,
-    `epoch_memory_peak_mib`, ...). With `steps_per_execution > 1`, one
-    sample covers every step of the execution. `host_rss_mib` goes with
-    them: the RSS at the sample in the batch logs, the highest sampled in
-    the epoch in the epoch logs.
+    With `growth=True`, the memory left in use between steps is tested at
+    each epoch end, and after each call, for a rising trend
+    (`keras_memguard.growth`). A floor that keeps rising is reported in one
+    WARNING line with its rate, the epoch or call at which it reaches the
+    limit, and the evidence found (live models, traced functions, ...).
 
     Args:
         log_dir: Directory for TensorBoard logs, usually the same as the one
@@ -124,37 +79,21 @@ class MemoryMonitor(keras.callbacks.Callback):
             `usage`. `None` resolves it as `AllocatorProbe` documents.
             Defaults to `None`.
         nvml: Whether to read NVML on NVIDIA GPUs. When NVML cannot start
-            although TensorFlow sees a GPU, this is skipped with one warning;
-            on a machine without a GPU, silently. Defaults to `True`.
-        profile_spikes: Whether to trace the batch after a memory spike with
-            the TensorFlow profiler. A spike is a sample whose peak (the
-            highest over devices) is more than `spike_fraction` above the
-            previous sample's in the same `fit`. The trace covers the next
-            call of the train function (one batch; one execution with
-            `steps_per_execution > 1`), memory events included, and is
-            written to `<log_dir>/plugins/profile/<timestamp>/<host>.xplane.pb`,
-            where TensorBoard's Profile tab reads it (its Memory Profile and
-            Trace Viewer tools). One INFO line is logged when a trace starts
-            and one when it is written; `profiles` lists the files. When
-            another profiler session is running (`keras.callbacks.TensorBoard(
-            profile_batch=...)`, `tf.profiler.experimental.start`), the spike
-            is not traced and one INFO line per `fit` says so. If the traced
-            batch raises (an out-of-memory error), the trace is still
-            written; the profiler is never left running. The Memory Profile
-            needs allocator events, which TensorFlow's BFC allocator records:
-            the GPU default, and on CPU only with
-            `TF_CPU_ALLOCATOR_USE_BFC=true`. Needs `log_dir`. Defaults to
-            `False`.
+            although a GPU is there, it is skipped with one warning; without
+            a GPU, silently. Defaults to `True`.
+        profile_spikes: Whether to trace the batch after a memory spike (a
+            peak more than `spike_fraction` above the previous sample's) with
+            the TensorFlow profiler, for TensorBoard's Profile tab; `profiles`
+            lists the traces. Needs `log_dir`. Defaults to `False`.
         spike_fraction: How far above the previous sample's peak a peak must
             be to count as a spike, as a fraction of the previous peak:
             `0.25` traces after a peak more than 25% higher. Defaults to
             `0.25`.
         max_profiles: The most traces written per `fit`, so that a spiky run
-            does not fill the disk (each trace is typically a few hundred
-            KiB to a few MiB). Later spikes are only compared. Defaults to
-            `1`.
-        growth: Whether to watch the floor for growth (see above). Defaults
-            to `False`.
+            does not fill the disk. Later spikes are only compared. Defaults
+            to `1`.
+        growth: Whether to test the memory in use between steps for growth.
+            Defaults to `False`.
 
     Raises:
         ValueError: If an argument is not valid (the message names it and
@@ -176,7 +115,7 @@ class MemoryMonitor(keras.callbacks.Callback):
         log_dir="logs", profile_spikes=True, spike_fraction=0.5
     )
     model.fit(dataset, epochs=2, callbacks=[monitor])
-    print(monitor.profiles)  # ['logs/plugins/profile/2025_.../host.xplane.pb']
+    print(monitor.profiles)  # ["logs/plugins/profile/<timestamp>/<host>.xplane.pb"]
     # tensorboard --logdir logs: Profile tab, tool "memory_profile"
     ```
     """

@@ -56,9 +56,9 @@ class NvmlProbe:
     is what `nvidia-smi` shows as used: where the driver has NVML's memory
     info version 2, the memory the driver reserves for itself is left out.
 
-    Each NVML query takes microseconds to a millisecond (listing processes
-    is the slowest), so sample NVML less often than every batch on busy
-    multi-GPU hosts.
+    Each NVML query is a call into the driver (listing processes is the
+    slowest), so sample NVML less often than every batch on busy multi-GPU
+    hosts.
 
     Args:
         tf_gpu_ordinals: TensorFlow physical GPU ordinals to read, e.g.
@@ -304,9 +304,9 @@ class NvmlProbe:
     def _memory_info(self, name, index, handle):
         """`nvmlDeviceGetMemoryInfo`, version 2 where the driver has it.
 
-        Version 1 counts the memory the driver reserves for itself as used
-        (hundreds of MiB on a large GPU); version 2 leaves it out, as
-        `nvidia-smi` does. An older driver or binding gives version 1.
+        Version 1 counts the memory the driver reserves for itself as used;
+        version 2 leaves it out, as `nvidia-smi` does. An older driver or
+        binding gives version 1.
         """
         if self._memory_v2:
             try:

@@ -113,7 +113,7 @@ def draw(runs, summaries):
                           label=f"highest (step {summary.host.peak_step})")
             low, high = min(run.host_rss.values), max(run.host_rss.values)
             # From zero would flatten a pipeline's growth on top of the
-            # runtime's few hundred MiB: margins around the values instead.
+            # runtime's own resident memory: margins around the values instead.
             margin = max((high - low) * 0.15, high * 0.02, 1.0)
             host.set_ylim(bottom=max(0.0, low - margin), top=high + margin)
             host.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,

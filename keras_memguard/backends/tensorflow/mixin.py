@@ -47,40 +47,52 @@ class MemGuardMixin:
     Put it before `keras.Model` in the bases of your model class. Each
     batch is split into `micro_batches` parts that run one after the other,
     so a step needs about the activation memory of a batch `micro_batches`
-    times smaller. `micro_batch_mode` chooses what happens with their
-    gradients:
+    times smaller. In `"accumulate"` mode their gradients are summed,
+    weighted by each part's share of the samples, and applied once: the
+    same update as the whole batch. A step that runs out of memory part-way
+    changes no weights, optimizer variables or metrics (BatchNormalization
+    moving statistics excepted), so the batch can be replayed with a larger
+    `micro_batches`. In `"shrink"` mode each part is its own optimizer
+    update. Both attributes may be changed between batches (`MemoryGuard`
+    does). BatchNormalization layers normalize each micro-batch on its own
+    (a warning says so once). The mixin adds nothing to `get_config()`:
+    saving and loading work as without it, and a loaded model starts again
+    with `micro_batches=1`.
 
-    - `"accumulate"` (default): summed, weighted by each part's share of the
-      samples, and applied once: the same update as the whole batch
-      (gradient accumulation). A step that fails part-way with an
-      out-of-memory error changes no weights, optimizer variables or
-      metrics (BatchNormalization moving statistics excepted), so the batch
-      can be replayed with a larger `micro_batches`.
-    - `"shrink"`: one optimizer update per part: more, smaller updates
-      (the learning rate is left as it is). Not supported under a
-      `tf.distribute` strategy.
+    A `train_step` of your own micro-batches through
+    `self.accumulate_gradients(data, compute_loss)`, where
+    `compute_loss(x, y, sample_weight)` runs ONE micro-batch and returns its
+    mean loss, or `(loss, extras)` with a dict of scalar means. Run the
+    state updates under `tf.control_dependencies(result.control_inputs())`,
+    so that a step that runs out of memory changes nothing. An override
+    that keeps its own `tf.GradientTape` over the whole batch cannot be
+    split: at `micro_batches > 1` it is refused with
+    `UnsupportedTrainingSetupError`.
 
-    Both attributes may be changed between batches (for example by a
-    callback): the next batch uses them. One compiled step is kept per
-    `(micro_batches, mode)`, built with
-    `keras_memguard.backends.tensorflow.make_step_function`; powers of two
-    keep their number small. The train function pulls each batch from the
-    iterator, then runs the compiled step on it (with `steps_per_execution
-    > 1`, that many batches in a Python loop). Models
-    with BatchNormalization layers normalize each micro-batch on its own, and
-    a warning says so once. The mixin adds no constructor arguments and
-    nothing to `get_config()`: saving and loading work as for the model
-    without it, and a loaded model starts again with `micro_batches=1`.
+    Attributes:
+        micro_batches: The number of micro-batches per batch, an `int` >= 1.
+            Defaults to `1` (plain training).
+        micro_batch_mode: `"accumulate"` or `"shrink"` (not supported under
+            a `tf.distribute` strategy). Defaults to `"accumulate"`.
 
-    A `train_step` of your own (the keras-io VAE pattern, a GAN, gradient
-    clipping) micro-batches through `self.accumulate_gradients(data,
-    compute_loss)`, where `compute_loss(x, y, sample_weight)` runs ONE
-    micro-batch and returns its mean loss, or `(loss, extras)` with a dict
-    of scalar means to combine the same way. Run the state updates under
-    `tf.control_dependencies(result.control_inputs())`, so that a step that
-    runs out of memory changes nothing. An override that keeps its own
-    `tf.GradientTape` over the whole batch cannot be split: at
-    `micro_batches > 1` it is refused with `UnsupportedTrainingSetupError`.
+    Example:
+
+    ```python
+    class MyModel(MemGuardMixin, keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(10)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = MyModel()
+    model.compile(optimizer="adam", loss="mse")
+    model.micro_batches = 4
+    model.fit(x, y, batch_size=256)
+    ```
+
+    A `train_step` of your own (the keras-io VAE pattern):
 
     ```python
     class VAE(MemGuardMixin, keras.Model):
@@ -103,29 +115,6 @@ class MemGuardMixin:
                 self.kl_loss_tracker.update_state(result.extras["kl_loss"])
                 ...
                 return {m.name: m.result() for m in self.metrics}
-    ```
-
-    Attributes:
-        micro_batches: The number of micro-batches per batch, an `int` >= 1.
-            Defaults to `1` (plain training).
-        micro_batch_mode: `"accumulate"` or `"shrink"`. Defaults to
-            `"accumulate"`.
-
-    Example:
-
-    ```python
-    class MyModel(MemGuardMixin, keras.Model):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.dense = keras.layers.Dense(10)
-
-        def call(self, x):
-            return self.dense(x)
-
-    model = MyModel()
-    model.compile(optimizer="adam", loss="mse")
-    model.micro_batches = 4
-    model.fit(x, y, batch_size=256)
     ```
     """
 

@@ -1,8 +1,8 @@
 """Guarded training under `tf.distribute.MultiWorkerMirroredStrategy`.
 
 Plain Keras 3 `fit` does not run under `MultiWorkerMirroredStrategy`
-(keras-team/keras#20585, tensorflow/tensorflow#72388). Checked with
-TensorFlow 2.21 / Keras 3.15 and two CPU workers on 127.0.0.1, it fails twice:
+(keras-team/keras#20585, tensorflow/tensorflow#72388). With more than one
+worker (TensorFlow 2.21 with Keras 3.15) it fails twice:
 
 1. Keras' symbolic build before the first batch calls
    `strategy.reduce("MEAN", (x, y), axis=None)` on the whole first batch. The
@@ -29,9 +29,9 @@ assigned at call time, one per collective call, in the same order on every
 worker. A worker whose step runs out of memory before the gradient
 all-reduce leaves its peers waiting inside that all-reduce; replaying the
 batch locally (what `ReplayTrainFunction` does) starts a *new* call with the
-next instance key, which the peers never match: both workers wait forever
-(seen here: killed after 40 s, no error). So `MultiWorkerTrainFunction`
-splits each step in two compiled functions:
+next instance key, which the peers never match: both workers wait forever,
+with no error. So `MultiWorkerTrainFunction` splits each step in two
+compiled functions:
 
 - a local phase: the micro-batched forward and backward passes
   (`accumulate_gradients`), with no collective at all. An out-of-memory

@@ -3,12 +3,10 @@
 TensorFlow's BFC allocator on the CPU (`TF_CPU_ALLOCATOR_USE_BFC=true`, the
 capped stand-in for a GPU) always grows: it takes memory in regions of 2,
 4, 8, ... MiB as tensors need them and never returns or merges a region.
-Which micro-batch fits then depends on what ran before. Measured under a
-600 MiB cap (`bench/RESULTS.md`, "Planning before running"): the 64x64x3
-CNN trains 136 samples per micro-batch from a fresh process, but after a
-single step at 13, 26 or 51 samples even 102 runs out of memory, with 273
-MiB free in pieces (regions grown for the smaller tensors) and no piece
-large enough.
+Which micro-batch fits then depends on what ran before: after steps at
+smaller micro-batches, a micro-batch that fits from a fresh process can run
+out of memory with enough memory free, but in pieces (regions grown for the
+smaller tensors), none of them large enough.
 
 On a GPU TensorFlow avoids that by default: without memory growth its BFC
 allocator takes the whole memory as one region at the first allocation.

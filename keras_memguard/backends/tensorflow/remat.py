@@ -3,11 +3,8 @@
 When one sample per micro-batch does not fit, the guard can run the
 forward pass in segments of `SEGMENT_LAYERS` layers, each under
 `tf.recompute_grad`: a segment keeps only its input for the backward pass
-and recomputes the rest there. Measured on the CPU stand-in
-(`bench/bench_escalation.py`, `bench/RESULTS.md` "Escalation rungs"): 10
-`Conv2D(64)` layers on 256x256x3 train at one sample under 256 MiB where
-plain training needs 331 MiB, at 1.04x to 1.20x the step time, with weights
-bitwise equal to plain training after a step.
+and recomputes the rest there: less memory for more step time (each
+segment's forward pass runs twice per step), with the same gradients.
 
 Only a chain of layers can be cut into segments: a `keras.Sequential`
 model, or a functional model with one input and one output whose layers

@@ -1,6 +1,6 @@
 """`MemoryGuard` on TensorFlow: the glue for one `fit`.
 
-Puts the replaying train function (`training/replay.py`, or the
+Puts the replaying train function (`backends/tensorflow/replay.py`, or the
 multi-worker one) inside the model's logs carrier, plans each batch before
 it runs from the memory in use right then, gives the decider each batch's
 peak after it, replays a batch that ran out of memory with the count the
