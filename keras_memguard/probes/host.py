@@ -159,11 +159,13 @@ class HostMemoryProbe:
             self._available = None
         self._lock = threading.Lock()
 
-    def __del__(self):
-        fd = self._fd
+    def __del__(self, _close=os.close):
+        # `os.close` bound at definition: at interpreter shutdown the
+        # module's globals may already be gone when this runs.
+        fd = getattr(self, "_fd", None)
         if fd is not None:
             try:
-                os.close(fd)
+                _close(fd)
             except OSError:
                 pass
 
