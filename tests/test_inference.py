@@ -1,7 +1,10 @@
 """`model.evaluate` and `model.predict` with `MemoryGuard` in their callbacks."""
 
+import re
+
 import numpy as np
 import keras
+
 import pytest
 
 import keras_memguard
@@ -101,9 +104,15 @@ def test_under_a_real_cap_evaluate_and_predict_finish_where_plain_keras_runs_out
         assert got["samples"] == reference["samples"] == 1024.0, (run, got)
         assert got["accuracy"] == reference["accuracy"], (run, got)
         assert got["loss"] == pytest.approx(reference["loss"], rel=1e-5), (run, got)
-    # Reacting: the whole batch fails once, the rest goes on in slices
-    # sized from the error (one error, not a creep).
-    assert result["replayed_oom"] == 1, result["messages"]
+    # Reacting: the whole batch fails, the rest goes on in slices sized
+    # from the error: the first replay jumps to many slices at once (no
+    # creep by one). Which ops TensorFlow's inter-op threads run side by
+    # side moves a slice's peak by some MiB, so a slice at the very edge
+    # may fail once more: at most one more error.
+    messages = "\n".join(result["messages"])
+    first_replay = re.search(r"replaying with (\d+) micro-batches", messages)
+    assert first_replay and int(first_replay.group(1)) >= 4, messages
+    assert result["replayed_oom"] in (1, 2), messages
     # Memory taken beside the step while the batch ran (as a prefetch
     # thread does) is counted when the replay is sized: one error too.
     assert result["taken_mib"] == 48.0
