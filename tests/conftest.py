@@ -75,3 +75,23 @@ def _plan_cache_per_test(tmp_path, monkeypatch):
     """Each test gets its own `$KERAS_HOME`: no plan is shared by two tests
     (their models are often alike), none lands in the user's home."""
     monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras_home"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Prints how many documentation code blocks ran, and the excerpts."""
+    ran = {}
+    for outcome in ("passed", "failed"):
+        ran[outcome] = sum(
+            dict(report.user_properties).get("docs_blocks", 0)
+            for report in terminalreporter.stats.get(outcome, ())
+            if getattr(report, "when", None) == "call"
+        )
+    if not any(ran.values()):
+        return
+    import docs_blocks
+
+    _, excerpts = docs_blocks.counts(docs_blocks.all_blocks())
+    terminalreporter.write_line(
+        f"documentation code blocks: {ran['passed']} ran, {ran['failed']} failed, "
+        f"{excerpts} marked as excerpts (not run)"
+    )

@@ -1,4 +1,4 @@
-"""The public API is small, sorted, documented and shown in the README."""
+"""The public API is small, sorted, documented and shown in the docs."""
 
 import inspect
 import pathlib
@@ -6,7 +6,9 @@ import re
 
 import keras_memguard
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 
 
 # The public API, written out: adding, removing or renaming a public name
@@ -57,15 +59,46 @@ def test_every_public_name_is_documented():
         assert doc and len(doc.splitlines()[0]) > 10, name
 
 
-def test_readme_shows_every_public_name_in_use():
-    text = README.read_text()
-    code = "\n".join(re.findall(r"```python\n(.*?)```", text, flags=re.S))
+def _python_blocks(paths):
+    return "\n".join(
+        block
+        for path in paths
+        for block in re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+    )
+
+
+def test_the_guides_show_every_public_name_in_use():
+    guides = sorted((DOCS / "guides").glob("*.md")) + [DOCS / "getting-started.md"]
+    code = _python_blocks(guides)
+    troubleshooting = (DOCS / "troubleshooting.md").read_text()
     for name in keras_memguard.__all__:
         if name.endswith("Error"):
-            # Errors are listed in the README's table of errors.
-            assert f"`{name}`" in text, name
+            # Each error has its entry in the troubleshooting page.
+            assert f"`{name}`" in troubleshooting, name
         else:
             assert re.search(rf"\b{name}\b", code), name
+
+
+def test_every_public_name_has_a_reference_entry():
+    entries = re.findall(r"^::: ([\w.]+)$", (DOCS / "reference.md").read_text(), flags=re.M)
+    assert sorted(entry.rsplit(".", 1)[1] for entry in entries) == PUBLIC_API
+
+
+def test_the_readme_shows_the_callbacks_in_use():
+    code = _python_blocks([README])
+    for name in ("MemoryMonitor", "MemoryGuard", "MemGuardMixin", "find_batch_size", "advise"):
+        assert re.search(rf"\b{name}\b", code), name
+
+
+def test_memory_guard_docstring_is_no_longer_than_keras_longest_callback_docstring():
+    import keras
+
+    longest = max(
+        len(inspect.getdoc(obj).splitlines())
+        for obj in vars(keras.callbacks).values()
+        if inspect.isclass(obj) and inspect.getdoc(obj)
+    )
+    assert len(inspect.getdoc(keras_memguard.MemoryGuard).splitlines()) <= longest
 
 
 # The training core's names for a `train_step` of your own, written out.

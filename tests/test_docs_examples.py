@@ -1,0 +1,73 @@
+"""Every Python block of the README and of `docs/` runs.
+
+The blocks are collected by `tests/docs_blocks.py` (its docstring lists the
+markers a page uses). A quick block runs in this process, in an empty
+folder, as a script would; a slow one runs in a process of its own, under
+a real allocator cap where the page speaks of running out of memory. The
+count of blocks run and of excerpts is printed at the end of the session.
+JAX and PyTorch blocks run in those backends' own test processes
+(`tests/jax_backend/test_jax_docs.py`, `tests/torch_backend/test_torch_docs.py`).
+"""
+
+import gc
+import os
+
+import keras
+import pytest
+
+import docs_blocks
+from keras_memguard.testing import run_with_memory_cap
+
+BLOCKS = [
+    block for block in docs_blocks.all_blocks()
+    if block.backend == "tensorflow" and not block.excerpt
+]
+# What the suite's own process runs under (tests/conftest.py).
+SUITE_CAP_MIB = 8192
+
+
+def run_block(block, tmp_path, monkeypatch):
+    """Runs one block: in this process, or in a child for a slow one."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras_home"))
+    if block.slow:
+        run = run_with_memory_cap(
+            block.code,
+            memory_limit_mib=block.cap_mib or SUITE_CAP_MIB,
+            timeout=block.timeout,
+            env={"KERAS_HOME": str(tmp_path / "keras_home")},
+            check=False,
+            as_gpu=block.as_gpu,
+        )
+        assert run.returncode == 0, (
+            f"{block.name} exited with {run.returncode}\n"
+            f"{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+        )
+        return
+    namespace = {"__name__": "__main__", "__file__": block.path}
+    try:
+        exec(compile(block.code, block.name, "exec"), namespace)
+    finally:
+        namespace.clear()
+        keras.backend.clear_session()
+        gc.collect()
+
+
+def _param(block):
+    marks = [pytest.mark.slow] if block.slow else []
+    return pytest.param(block, id=block.name, marks=marks)
+
+
+@pytest.mark.parametrize("block", [_param(block) for block in BLOCKS])
+def test_docs_block_runs(block, tmp_path, monkeypatch, request):
+    # The Markdown blocks this test runs, for the count printed at the end.
+    request.node.user_properties.append(("docs_blocks", block.covers))
+    run_block(block, tmp_path, monkeypatch)
+
+
+def test_every_block_is_run_or_marked_as_an_excerpt():
+    blocks = docs_blocks.all_blocks()
+    run, excerpts = docs_blocks.counts(blocks)
+    assert run > 0
+    # Excerpts are few: a page shows code that runs.
+    assert excerpts <= max(3, run // 5), [b.name for b in blocks if b.excerpt]
