@@ -161,7 +161,13 @@ def main():
         f"({args.backend})"
     )
     if args.backend == "jax":
-        print("   skipped: JAX's CPU backend has no memory cap to run out of")
+        # JAX's allocator takes its size once, when the process starts (on
+        # a GPU: XLA_PYTHON_CLIENT_MEM_FRACTION); the guard plans against
+        # `memory_limit` instead.
+        print(
+            "   skipped: JAX's allocator cannot be capped once it started; "
+            f"the guard plans against memory_limit={args.cap_mib} MiB"
+        )
     else:
         try:
             make_model(keras, size).fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0)
