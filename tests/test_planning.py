@@ -466,3 +466,24 @@ def test_past_the_last_rung_the_error_says_what_was_tried_and_no_weight_changed(
     assert "Tried: 1 micro-batch of one sample, then the rungs: remat." in result["error"]
     assert "memory limit: 220.0 MiB" in result["error"]
     assert result["weights_unchanged"], result
+
+
+def test_a_step_compiled_with_xla_is_another_setup_to_the_plan_cache():
+    # An XLA step's memory differs from the same model's graph step: a plan
+    # learned under one (one sample per micro-batch, "still over the
+    # target") must not be the first plan of the other.
+    from keras_memguard.backends.tensorflow.setup import describe_setup
+
+    data = (tf.zeros([8, 4]), tf.zeros([8, 1]))
+
+    def fields(jit_compile):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse", jit_compile=jit_compile)
+        return describe_setup(model, data, ["CPU:0"], [2**30], "accumulate")
+
+    with_xla, without = fields(True), fields(False)
+    assert with_xla["jit_compile"] is True and without["jit_compile"] is False
+    assert plan_cache.setup_key(with_xla) != plan_cache.setup_key(without)
+    assert {k: v for k, v in with_xla.items() if k != "jit_compile"} == {
+        k: v for k, v in without.items() if k != "jit_compile"
+    }

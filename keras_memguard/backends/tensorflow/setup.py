@@ -16,8 +16,9 @@ def describe_setup(model, data, devices, limits, mode):
     The model's class, its layers' classes, its weights' shapes and dtypes, the optimizer's class, the input
     signature (each input's dtype, rank and last dimension: the dimensions
     that vary between batches, such as the batch and a sequence length, are
-    left out), the devices, their memory limits, the micro-batching mode and
-    the TensorFlow and Keras versions.
+    left out), whether the step is compiled with XLA (its memory differs),
+    the devices, their memory limits, the micro-batching mode and the
+    TensorFlow and Keras versions.
 
     Args:
         model: The compiled Keras model.
@@ -48,6 +49,7 @@ def describe_setup(model, data, devices, limits, mode):
         "weights": [[list(w.shape), str(w.dtype)] for w in model.weights],
         "optimizer": None if optimizer is None else type(optimizer).__name__,
         "inputs": signature,
+        "jit_compile": bool(getattr(model, "jit_compile", False)),
         "devices": list(devices),
         "limits": [int(l) if l else None for l in limits],
         "mode": mode,

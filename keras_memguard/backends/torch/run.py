@@ -114,6 +114,7 @@ def describe_setup(model, data, devices, limits, mode):
         "weights": [[list(v.shape), str(v.dtype)] for v in model.weights],
         "optimizer": type(getattr(model, "optimizer", None)).__name__,
         "inputs": signature,
+        "jit_compile": bool(getattr(model, "jit_compile", False)),
         "devices": list(devices),
         "limits": [None if l is None else int(l) for l in limits],
         "mode": mode,
