@@ -10,7 +10,6 @@ JAX and PyTorch blocks run in those backends' own test processes
 """
 
 import gc
-import os
 
 import keras
 import pytest
