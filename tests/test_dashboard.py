@@ -79,11 +79,16 @@ def test_host_chart_shows_exactly_the_host_rss_tag():
     written = set(CPU0.values()) | {
         tb.HOST_RSS_MIB, tb.MICRO_BATCHES, tb.OOM_RECOVERIES, tb.THRESHOLD
     }
-    (regex,) = charts[tb.HOST_CHART]
-    assert {tag for tag in written if re.match(regex, tag)} == {tb.HOST_RSS_MIB}
+    host_floor = tb.FLOOR_MIB.format(dev=tb.HOST)
+    written.add(host_floor)
+    regexes = charts[tb.HOST_CHART]
+    assert {tag for tag in written if any(re.match(r, tag) for r in regexes)} == {
+        tb.HOST_RSS_MIB, host_floor
+    }
     for title, regexes in charts.items():
         if title != tb.HOST_CHART:
             assert not any(re.match(r, tb.HOST_RSS_MIB) for r in regexes), title
+            assert not any(re.match(r, host_floor) for r in regexes), title
 
 
 def test_the_writer_adds_the_host_chart_when_the_host_tag_appears(tmp_path):

@@ -12,6 +12,7 @@ import base64
 import importlib.metadata
 import inspect
 import json
+import math
 import os
 import re
 import shutil
@@ -645,3 +646,60 @@ def test_recoveries_and_their_time_under_a_real_cap(tmp_path):
     assert "failed to allocate 225.0 MiB in layer 'conv2d_1'" in text
     assert "largest tensors: 240.2 MiB output of conv2d (256, 62, 62, 64)" in text
     assert "largest live tensor 240 MiB, output of 'conv2d'" in first["explanation"]
+
+
+class _KeepsEightMiBAnEpoch(keras.callbacks.Callback):
+    """A leak: holds 8 MiB more of device memory at every epoch's end."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.kept.append(tf.ones((2 * MIB,), tf.float32))
+
+
+def test_the_floor_its_growth_and_the_projection_are_reported_and_drawn(tmp_path):
+    x, y = make_data()
+    log_dir = tmp_path / "logs"
+    monitor = keras_memguard.MemoryMonitor(
+        log_dir=str(log_dir), memory_limit=4096 * MIB, growth=True
+    )
+    leak = _KeepsEightMiBAnEpoch()
+    make_model().fit(
+        x, y, batch_size=BATCH, epochs=6, shuffle=False, verbose=0,
+        callbacks=[monitor, leak],
+    )
+    (run,) = events.load_runs(log_dir)
+    assert "host" not in run.devices  # the host's floor is not a device
+    (device,) = run.devices
+    assert len(run.devices[device]["floor"].values) == 6
+    assert len(run.host_floor.values) == 6
+    summary = summary_lib.summarize(run)
+    floors = {floor.series: floor for floor in summary.floors}
+    assert set(floors) == {device, "host"}
+    floor = floors[device]
+    assert floor.last_mib - floor.first_mib == pytest.approx(5 * 8, abs=2)
+    assert floor.growth_mib_per_epoch == pytest.approx(8, abs=1)
+    assert floor.limit_mib == 4096
+    assert floor.epochs_to_limit == math.ceil((4096 - floor.last_mib) / floor.growth_mib_per_epoch)
+    text = summary_lib.format_summary(summary)
+    assert f"floor of {device} (memory in use between steps)" in text, text
+    assert "MiB per epoch: at that rate it reaches the 4096.0 MiB limit in about" in text, text
+    labels = [
+        line.get_label()
+        for axes in plot.draw([run], [summary]).axes
+        for line in axes.get_lines()
+    ]
+    assert f"{device} floor (per epoch)" in labels and "floor (per epoch)" in labels
+
+
+def test_a_floor_without_growth_says_no_rise_was_found():
+    floor = summary_lib.floor_summary(
+        "gpu0", Series((4, 8), (100.0, 100.5), (0.0, 1.0)), Series(), Series((4,), (8000.0,), (0.0,))
+    )
+    assert floor.epochs_to_limit is None
+    assert summary_lib.format_floor(floor) == (
+        "floor of gpu0 (memory in use between steps): 100.0 MiB in the first epoch, "
+        "100.5 MiB in the last of 2; no rise found"
+    )

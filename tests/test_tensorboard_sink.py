@@ -225,15 +225,19 @@ def test_layout_charts_match_exactly_the_tags_they_show():
         tb.USAGE_CHART,
         tb.MICRO_BATCH_CHART,
     ]
+    floors = {dev: tb.FLOOR_MIB.format(dev=dev) for dev in ("cpu0", "gpu1", tb.HOST)}
     every_tag = [
         tag for names in (CPU0, GPU1) for tag in names.values()
-    ] + [tb.MICRO_BATCHES, tb.MICRO_BATCH_SIZE, tb.OOM_RECOVERIES, tb.THRESHOLD]
+    ] + [tb.MICRO_BATCHES, tb.MICRO_BATCH_SIZE, tb.OOM_RECOVERIES, tb.THRESHOLD] + [
+        *floors.values(),
+        *(tb.GROWTH_MIB_PER_EPOCH.format(dev=dev) for dev in ("cpu0", "gpu1", tb.HOST)),
+    ]
     expected = {
         tb.DEVICE_CHART.format(dev="cpu0"): {
-            CPU0["current"], CPU0["peak"], CPU0["limit"]
+            CPU0["current"], CPU0["peak"], CPU0["limit"], floors["cpu0"]
         },
         tb.DEVICE_CHART.format(dev="gpu1"): {
-            GPU1["current"], GPU1["peak"], GPU1["limit"]
+            GPU1["current"], GPU1["peak"], GPU1["limit"], floors["gpu1"]
         },
         tb.USAGE_CHART: {CPU0["usage"], GPU1["usage"], tb.THRESHOLD},
         tb.MICRO_BATCH_CHART: {tb.MICRO_BATCHES, tb.OOM_RECOVERIES},

@@ -25,11 +25,10 @@ _MIB = float(1024 * 1024)
 USAGE_LOG_KEY = "memory_usage"
 HOST_RSS_LOG_KEY = "host_rss_mib"
 GROWTH_LOG_KEY = "memory_growth_mib_per_epoch"
-# Tag templates of the floor test (`{dev}` as in `sinks.tensorboard`, or
-# `host` for the resident memory).
-FLOOR_MIB = "memory/{dev}/floor_mib"
-GROWTH_MIB_PER_EPOCH = "memory/{dev}/growth_mib_per_epoch"
-HOST = "host"
+# Tag templates of the floor test (they live in `sinks.tensorboard`).
+FLOOR_MIB = tb.FLOOR_MIB
+GROWTH_MIB_PER_EPOCH = tb.GROWTH_MIB_PER_EPOCH
+HOST = tb.HOST
 # An epoch's floors kept as rows; at this many, neighbours merge pairwise
 # (the lower kept), so a long epoch holds a bounded list.
 _MAX_FLOOR_ROWS = 4096

@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Tuple
 from keras_memguard.sinks import tensorboard as tb
 
 # The device series read for each device, by the keys `tb.device_tags` uses.
-DEVICE_SERIES = ("current", "peak", "limit", "usage", "epoch_peak")
+DEVICE_SERIES = ("current", "peak", "limit", "usage", "epoch_peak", "floor", "growth")
 
 # Keras' `TensorBoard` callback writes its epoch scalars to this run, beside
 # ours, at steps that count epochs; their wall times place epoch ends when no
@@ -63,6 +63,10 @@ class RunData(NamedTuple):
             be read gives `{"file": ..., "error": ...}`.
         host_rss: `memory/host/rss_mib` (the process's resident memory),
             empty where it was not logged.
+        host_floor: `memory/host/floor_mib`, the resident memory's floor per
+            epoch (`MemoryMonitor(growth=True)`), or empty.
+        host_growth: `memory/host/growth_mib_per_epoch`, written at the
+            epochs the floor was found rising, or empty.
     """
 
     name: str
@@ -75,6 +79,8 @@ class RunData(NamedTuple):
     epoch_source: Optional[str]
     oom_reports: Tuple[dict, ...]
     host_rss: Series = Series()
+    host_floor: Series = Series()
+    host_growth: Series = Series()
 
     @property
     def steps(self):
@@ -167,7 +173,7 @@ def load_run(run_dir, log_dir=None):
     for tag in tags:
         for key, pattern in patterns.items():
             match = pattern.match(tag)
-            if match:
+            if match and match.group("dev") != tb.HOST:
                 device = devices.setdefault(match.group("dev"), dict(empty))
                 device[key] = _series(accumulator.Scalars(tag))
 
@@ -201,6 +207,8 @@ def load_run(run_dir, log_dir=None):
         epoch_source=epoch_source,
         oom_reports=load_oom_reports(run_dir),
         host_rss=scalar(tb.HOST_RSS_MIB),
+        host_floor=scalar(tb.FLOOR_MIB.format(dev=tb.HOST)),
+        host_growth=scalar(tb.GROWTH_MIB_PER_EPOCH.format(dev=tb.HOST)),
     )
 
 
@@ -210,6 +218,8 @@ _TEMPLATES = {
     "limit": tb.LIMIT_MIB,
     "usage": tb.USAGE,
     "epoch_peak": tb.EPOCH_PEAK_MIB,
+    "floor": tb.FLOOR_MIB,
+    "growth": tb.GROWTH_MIB_PER_EPOCH,
 }
 
 

@@ -47,7 +47,8 @@ def draw(runs, summaries):
     """Draws each run: memory against the limit over steps, host memory, `k`.
 
     Per run, the upper axes show each device's per-batch peak (solid),
-    current (thin) and limit (dashed) in MiB, the highest peak marked; the
+    current (thin), limit (dashed) and, where the growth test ran, its
+    floor per epoch (dash-dotted) in MiB, the highest peak marked; the
     middle axes the process's resident host memory (RSS) in MiB, its
     highest point marked; the lower axes the micro-batch count `k` as a
     step line with each change marked. Out-of-memory recoveries are red
@@ -94,6 +95,10 @@ def draw(runs, summaries):
                 memory.plot(series["limit"].steps, series["limit"].values,
                             color=color, linewidth=1.2, linestyle="--",
                             drawstyle="steps-post", label=f"{device} limit")
+            if series["floor"]:
+                memory.plot(series["floor"].steps, series["floor"].values,
+                            color=color, linewidth=1.0, linestyle="-.", marker="s",
+                            markersize=3, label=f"{device} floor (per epoch)")
         highest = summary.highest
         if highest is not None:
             memory.plot([highest.peak_step], [highest.peak_mib], marker="v",
@@ -107,6 +112,10 @@ def draw(runs, summaries):
         if run.host_rss:
             host.plot(run.host_rss.steps, run.host_rss.values, color="C4",
                       linewidth=1.4, label="host RSS (this process)")
+            if run.host_floor:
+                host.plot(run.host_floor.steps, run.host_floor.values, color="C4",
+                          linewidth=1.0, linestyle="-.", marker="s", markersize=3,
+                          label="floor (per epoch)")
             if summary.host is not None:
                 host.plot([summary.host.peak_step], [summary.host.peak_mib],
                           marker="v", color="black", linestyle="none",

@@ -4,6 +4,7 @@ No TensorBoard, TensorFlow or matplotlib here: the figures come from the
 series `events.load_run` read, so they can be tested with scripted series.
 """
 
+import math
 import statistics
 from typing import NamedTuple, Optional, Tuple
 
@@ -61,6 +62,41 @@ class HostSummary(NamedTuple):
         return self.last_mib - self.first_mib
 
 
+class FloorSummary(NamedTuple):
+    """The floor (memory in use between steps) of one series over the run.
+
+    Written per epoch by `MemoryMonitor(growth=True)`; the growth per
+    epoch only at the epochs its trend test found the floor rising.
+
+    Attributes:
+        series: The device's name, or `"host"` for the resident memory.
+        first_mib: The first epoch's floor.
+        last_mib: The last epoch's floor.
+        epochs: How many epochs have a floor.
+        growth_mib_per_epoch: The last growth rate written, or `None` when
+            the floor was never found rising.
+        limit_mib: The device's limit, or `None` (the host's is not logged).
+    """
+
+    series: str
+    first_mib: float
+    last_mib: float
+    epochs: int
+    growth_mib_per_epoch: Optional[float]
+    limit_mib: Optional[float]
+
+    @property
+    def epochs_to_limit(self):
+        """At the growth rate, epochs until the floor reaches the limit.
+
+        `None` without a rate or a limit; `0` when the floor is there.
+        """
+        rate, limit = self.growth_mib_per_epoch, self.limit_mib
+        if not rate or rate <= 0 or not limit:
+            return None
+        return max(0, math.ceil((limit - self.last_mib) / rate))
+
+
 class KChange(NamedTuple):
     """A change of the micro-batch count, decided after batch `step`."""
 
@@ -104,6 +140,7 @@ class RunSummary(NamedTuple):
     typical_step_seconds: Optional[float]
     oom_reports: Tuple[dict, ...]
     host: Optional[HostSummary] = None
+    floors: Tuple[FloorSummary, ...] = ()
 
 
 def _int(value):
@@ -128,6 +165,25 @@ def _device_summary(name, series):
         limit_mib,
         current.values[-1] if current else None,
     )
+
+
+def floor_summary(name, floor, growth, limit=None):
+    """The floor's first and last epochs and its growth, or `None`.
+
+    Args:
+        name: The series' name (a device's, or `"host"`).
+        floor: Its `floor_mib` `Series`.
+        growth: Its `growth_mib_per_epoch` `Series`.
+        limit: Its `limit_mib` `Series`, or `None` (the host's).
+
+    Returns:
+        A `FloorSummary`, or `None` when no floor was logged.
+    """
+    if not floor:
+        return None
+    limit_mib = limit.values[-1] if limit else None
+    rate = growth.values[-1] if growth else None
+    return FloorSummary(name, floor.values[0], floor.values[-1], len(floor.values), rate, limit_mib)
 
 
 def host_summary(host_rss):
@@ -213,8 +269,8 @@ def summarize(run):
         with the highest peak, the changes of `k` and the `k` the run ended
         with, the out-of-memory recoveries and the time spent in them (the
         sum of the recovered batches' extra time; `None` when none could be
-        derived), the epoch ends, the out-of-memory explanations and the
-        host's resident memory.
+        derived), the epoch ends, the out-of-memory explanations, the
+        host's resident memory and, where the growth test ran, each floor.
     """
     devices = tuple(_device_summary(name, series) for name, series in run.devices.items())
     with_peak = [d for d in devices if d.peak_mib is not None]
@@ -242,6 +298,15 @@ def summarize(run):
         typical_step_seconds=per_step,
         oom_reports=tuple(run.oom_reports),
         host=host_summary(run.host_rss),
+        floors=tuple(
+            found
+            for found in [
+                floor_summary(name, series["floor"], series["growth"], series["limit"])
+                for name, series in run.devices.items()
+            ]
+            + [floor_summary("host", run.host_floor, run.host_growth)]
+            if found is not None
+        ),
     )
 
 
@@ -312,6 +377,37 @@ def format_oom_report(report):
     return lines
 
 
+def format_floor(floor):
+    """One line on a floor: its epochs, and its trend with the projection.
+
+    Args:
+        floor: A `FloorSummary`.
+
+    Returns:
+        The line, without indentation.
+    """
+    where = "host memory (RSS)" if floor.series == "host" else floor.series
+    line = f"floor of {where} (memory in use between steps): "
+    if floor.epochs == 1:
+        line += f"{_mib(floor.last_mib)} in 1 epoch"
+    else:
+        line += (
+            f"{_mib(floor.first_mib)} in the first epoch, {_mib(floor.last_mib)} "
+            f"in the last of {floor.epochs}"
+        )
+    rate = floor.growth_mib_per_epoch
+    if rate is None:
+        return line + "; no rise found"
+    line += f"; rising {rate:.1f} MiB per epoch"
+    remaining = floor.epochs_to_limit
+    if remaining is not None:
+        line += (
+            f": at that rate it reaches the {_mib(floor.limit_mib)} limit in about "
+            f"{remaining} more epoch{'s' if remaining != 1 else ''}"
+        )
+    return line
+
+
 def format_summary(summary):
     """A run's figures as a few lines of text.
 
@@ -375,6 +471,9 @@ def format_summary(summary):
             f"({host.growth_mib:+.1f} MiB); highest {_mib(host.peak_mib)} "
             f"at step {host.peak_step}"
         )
+
+    for floor in summary.floors:
+        lines.append("  " + format_floor(floor))
 
     if summary.final_k is None:
         lines.append("  micro-batches: not logged (MemoryGuard with log_dir writes them)")

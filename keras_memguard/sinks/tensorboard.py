@@ -70,6 +70,12 @@ NVML_PROCESS_MIB = "memory/{dev}/nvml_process_mib"
 GPU_PERCENT = "utilization/{dev}/gpu_percent"
 # The process's resident memory (RSS) on the host, not a device's.
 HOST_RSS_MIB = "memory/host/rss_mib"
+# The floor (the memory in use between steps) per epoch, and its growth per
+# epoch while it keeps rising (`MemoryMonitor(growth=True)`); `{dev}` is a
+# device's name or `host` for the resident memory.
+FLOOR_MIB = "memory/{dev}/floor_mib"
+GROWTH_MIB_PER_EPOCH = "memory/{dev}/growth_mib_per_epoch"
+HOST = "host"
 MICRO_BATCHES = "memguard/micro_batches"
 MICRO_BATCH_SIZE = "memguard/micro_batch_size"
 OOM_RECOVERIES = "memguard/oom_recoveries"
@@ -81,8 +87,8 @@ FLUSH_SECS = 2.0
 
 # Titles of the dashboard's category and charts (`{dev}` as above).
 DASHBOARD_CATEGORY = "keras_memguard"
-DEVICE_CHART = "{dev} memory: current, peak and limit (MiB)"
-HOST_CHART = "Host memory: resident set size of the process (MiB)"
+DEVICE_CHART = "{dev} memory: current, peak, limit and floor (MiB)"
+HOST_CHART = "Host memory: resident set size of the process and its floor (MiB)"
 USAGE_CHART = "Memory usage (peak / limit) and threshold"
 MICRO_BATCH_CHART = "Micro-batches and out-of-memory recoveries"
 
@@ -126,13 +132,15 @@ def dashboard_layout(devices=(), usage=True, guard=True, host=False):
 
     Args:
         devices: Device names (`"gpu0"`, `"cpu0"`): one chart each, with
-            `current_mib`, `peak_mib` and `limit_mib`. Defaults to `()`.
+            `current_mib`, `peak_mib`, `limit_mib` and, where the growth
+            test runs, `floor_mib`. Defaults to `()`.
         usage: Whether to add the chart of every device's `usage` with the
             guard's `threshold`. Defaults to `True`.
         guard: Whether to add the chart of `micro_batches` and
             `oom_recoveries`. Defaults to `True`.
         host: Whether to add the chart of the process's resident memory
-            (`memory/host/rss_mib`), after the device charts. Defaults to
+            (`memory/host/rss_mib`) and its floor, after the device charts.
+            Defaults to
             `False`.
 
     Returns:
@@ -142,7 +150,7 @@ def dashboard_layout(devices=(), usage=True, guard=True, host=False):
         layout_pb2.Chart(
             title=DEVICE_CHART.format(dev=device),
             multiline=layout_pb2.MultilineChartContent(
-                tag=[r"^memory/%s/(current|peak|limit)_mib$" % re.escape(device)]
+                tag=[r"^memory/%s/(current|peak|limit|floor)_mib$" % re.escape(device)]
             ),
         )
         for device in devices
@@ -152,7 +160,10 @@ def dashboard_layout(devices=(), usage=True, guard=True, host=False):
             layout_pb2.Chart(
                 title=HOST_CHART,
                 multiline=layout_pb2.MultilineChartContent(
-                    tag=["^%s$" % re.escape(HOST_RSS_MIB)]
+                    tag=[
+                        "^%s$" % re.escape(HOST_RSS_MIB),
+                        "^%s$" % re.escape(FLOOR_MIB.format(dev=HOST)),
+                    ]
                 ),
             )
         )
