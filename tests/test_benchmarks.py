@@ -21,6 +21,10 @@ SMOKE_RUNS = {
         ["--parts", "cost,repeat", "--repeat-runs", "1"], "settled smallest / largest:"
     ),
     "bench_monitor.py": (["--rounds", "1", "--skip-fits"], "MemoryGuard: before the step"),
+    "bench_growth.py": (
+        ["--runs", "mlp", "--repeats", "1", "--epochs", "4", "--cost", "--cost-rounds", "1"],
+        "steady runs: 1, runs with a growth warning: 0",
+    ),
     "bench_guard.py": (["--parts", "1", "--rounds", "1", "--ks", "2"], "| k=2, B=256 |"),
     "bench_unseen.py": (
         ["--models", "mobilenet_v3", "--xla", "off", "--parts", "plain"], "| mobilenet_v3 | off | 64 |"
