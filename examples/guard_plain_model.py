@@ -52,7 +52,7 @@ def main():
         metrics=["accuracy"],
     )
     guard = keras_memguard.MemoryGuard(threshold=0.9, log_dir=args.log_dir)
-    monitor = keras_memguard.MemoryMonitor(log_dir=args.log_dir)
+    monitor = keras_memguard.MemoryMonitor(log_dir=args.log_dir, growth=True)
     model.fit(x, y, batch_size=256, epochs=2, callbacks=[monitor, guard], verbose=2)
 
     print()

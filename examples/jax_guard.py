@@ -64,7 +64,7 @@ def main():
 
     limit = int(args.limit_mib * 2**20) or None
     guard = keras_memguard.MemoryGuard(memory_limit=limit, log_dir=args.log_dir)
-    monitor = keras_memguard.MemoryMonitor(log_dir=args.log_dir)
+    monitor = keras_memguard.MemoryMonitor(log_dir=args.log_dir, growth=True)
     model = make_model(keras)
     history = model.fit(x, y, callbacks=[monitor, guard], **fit)
     plain = make_model(keras)

@@ -69,7 +69,7 @@ def main():
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
         )
-    monitor = keras_memguard.MemoryMonitor(log_dir=args.log_dir)
+    monitor = keras_memguard.MemoryMonitor(log_dir=args.log_dir, growth=True)
     guard = keras_memguard.MemoryGuard(threshold=0.9, log_dir=args.log_dir)
     # batch_size is the global batch: 128 samples per replica.
     history = model.fit(

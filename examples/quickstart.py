@@ -176,7 +176,9 @@ def main():
             print(f"   ran out of memory ({type(error).__name__})")
 
     print("2. The same fit with MemoryGuard and MemoryMonitor")
-    monitor = keras_memguard.MemoryMonitor(log_dir=args.log_dir, memory_limit=memory_limit)
+    monitor = keras_memguard.MemoryMonitor(
+        log_dir=args.log_dir, memory_limit=memory_limit, growth=True
+    )
     guard = keras_memguard.MemoryGuard(log_dir=args.log_dir, memory_limit=memory_limit)
     history = make_model(keras, size).fit(
         x,
