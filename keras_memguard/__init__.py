@@ -41,6 +41,7 @@ _EXPORTS = {
 # from the backend chosen once (`keras_memguard.backends.current()`).
 _BACKEND_EXPORTS = {
     "MemGuardMixin": lambda protocol: protocol.mixin_class(),
+    "prepare_multi_worker": lambda protocol: protocol.multi_worker_preparer(),
 }
 
 __all__ = sorted(_EXPORTS)

@@ -24,6 +24,8 @@ A backend's `protocol` module provides:
   (`after_batch`, `end`), or `None` where that call runs unguarded (a
   TensorFlow model its slices cannot serve).
 - `mixin_class()`: that backend's `MemGuardMixin`.
+- `multi_worker_preparer()`: that backend's `prepare_multi_worker`
+  (TensorFlow's; elsewhere one that returns the model unchanged).
 - `VALIDATION_IN_FIT`: whether `fit`'s validation is guarded by the
   training run (`begin_validation` / `end_validation`) rather than as an
   `evaluate` of its own.

@@ -99,3 +99,20 @@ def slice_count(failure):
             "precision, or a device with more memory."
         ) from failure.error
     return decided.micro_batches
+
+
+def prepare_multi_worker(model):
+    """`keras_memguard.prepare_multi_worker` where Keras' backend is not TensorFlow.
+
+    `MultiWorkerMirroredStrategy` exists on TensorFlow only, and the call
+    does nothing under any other strategy: here it returns `model`
+    unchanged, so that code calling it runs on every backend.
+
+    Args:
+        model: A Keras model.
+
+    Returns:
+        `model`.
+    """
+    return model
+

@@ -46,6 +46,8 @@ class Mixed(keras_memguard.MemGuardMixin, keras.Model):
 mixed = Mixed()
 mixed.compile(optimizer="adam", loss="mse")
 mixed.fit(x, y, verbose=0)
+# TensorFlow's multi-worker preparation: nothing to do on JAX.
+assert keras_memguard.prepare_multi_worker(mixed) is mixed
 # (Not the report: TensorBoard's event reader imports TensorFlow where it
 # is installed; without it, the report runs without it, tested beside.)
 print("tensorflow" in sys.modules)

@@ -113,3 +113,11 @@ def test_a_train_step_of_the_class_is_refused():
     x, y = mlp_data(8)
     with pytest.raises(UnsupportedTrainingSetupError, match="Own has a `train_step` of its own"):
         model.fit(x, y, verbose=0)
+
+
+def test_prepare_multi_worker_returns_the_model_unchanged_on_torch():
+    # TensorFlow's multi-worker preparation: code calling it runs here too.
+    import keras_memguard
+
+    model = GuardedSequential([keras.Input((4,)), keras.layers.Dense(2)])
+    assert keras_memguard.prepare_multi_worker(model) is model

@@ -33,6 +33,13 @@ def mixin_class():
     return MemGuardMixin
 
 
+def multi_worker_preparer():
+    """`prepare_multi_worker`: nothing to prepare off TensorFlow."""
+    from keras_memguard.backends.shared import prepare_multi_worker
+
+    return prepare_multi_worker
+
+
 def batch_size_finder():
     """What `find_batch_size` asks of JAX (its `finder` module)."""
     from keras_memguard.backends.jax import finder

@@ -40,6 +40,13 @@ def mixin_class():
     return MemGuardMixin
 
 
+def multi_worker_preparer():
+    """`prepare_multi_worker` for `MultiWorkerMirroredStrategy`."""
+    from keras_memguard.backends.tensorflow.multi_worker import prepare_multi_worker
+
+    return prepare_multi_worker
+
+
 def batch_size_finder():
     """What `find_batch_size` asks of TensorFlow (its `finder` module)."""
     from keras_memguard.backends.tensorflow import finder
