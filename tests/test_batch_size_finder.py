@@ -102,6 +102,9 @@ def test_trials_stay_under_the_limit_and_everything_is_put_back():
     assert result.bytes_per_sample > 0
 
 
+# Trial steps of a few seconds: out of the fast loop (the trials' own
+# test above stays in it).
+@pytest.mark.slow
 def test_training_after_the_search_is_training_without_it():
     x, y = data()
     searched, plain = bn_dropout_model(), bn_dropout_model()
@@ -114,6 +117,7 @@ def test_training_after_the_search_is_training_without_it():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_a_batch_that_fits_whole_needs_one_micro_batch():
     model = bn_dropout_model()
     x, y = data()
@@ -191,6 +195,7 @@ def test_the_answer_for_a_pipeline_trains_in_plain_fit(kind):
     assert _in_a_fresh_process("fit", kind, "off", found["answer"])["trained"], found
 
 
+@pytest.mark.slow
 def test_a_train_step_of_its_own_is_searched_as_it_trains():
     # keras-io's VAE: no `call`, no `y`, its own `train_step` and trackers.
     from test_own_train_step import PlainVAE, make_decoder, make_encoder

@@ -386,8 +386,10 @@ def format_floor(floor):
     Returns:
         The line, without indentation.
     """
-    where = "host memory (RSS)" if floor.series == "host" else floor.series
-    line = f"floor of {where} (memory in use between steps): "
+    if floor.series == "host":
+        line = "floor of host memory (RSS, between steps): "
+    else:
+        line = f"floor of {floor.series} (memory in use between steps): "
     if floor.epochs == 1:
         line += f"{_mib(floor.last_mib)} in 1 epoch"
     else:
