@@ -129,3 +129,29 @@ def counts(blocks) -> Tuple[int, int]:
     """`(run, excerpts)`: the Markdown blocks `blocks` run, and the excerpts."""
     excerpts = sum(block.excerpt for block in blocks)
     return sum(block.covers for block in blocks if not block.excerpt), excerpts
+
+
+def blocks_for(backend):
+    """The blocks to run on Keras backend `backend` (excerpts left out)."""
+    return [b for b in all_blocks() if b.backend == backend and not b.excerpt]
+
+
+def run_in_process(block, folder, monkeypatch):
+    """Runs `block` here, as a script in `folder` would, then clears Keras.
+
+    `KERAS_HOME` points into `folder`, so a plan cache the block writes
+    stays there.
+    """
+    import gc
+
+    import keras
+
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("KERAS_HOME", str(folder / "keras_home"))
+    namespace = {"__name__": "__main__", "__file__": block.path}
+    try:
+        exec(compile(block.code, block.name, "exec"), namespace)
+    finally:
+        namespace.clear()
+        keras.backend.clear_session()
+        gc.collect()

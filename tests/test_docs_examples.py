@@ -9,27 +9,20 @@ JAX and PyTorch blocks run in those backends' own test processes
 (`tests/jax_backend/test_jax_docs.py`, `tests/torch_backend/test_torch_docs.py`).
 """
 
-import gc
-
-import keras
 import pytest
 
 import docs_blocks
 from keras_memguard.testing import run_with_memory_cap
 
-BLOCKS = [
-    block for block in docs_blocks.all_blocks()
-    if block.backend == "tensorflow" and not block.excerpt
-]
+BLOCKS = docs_blocks.blocks_for("tensorflow")
 # What the suite's own process runs under (tests/conftest.py).
 SUITE_CAP_MIB = 8192
 
 
 def run_block(block, tmp_path, monkeypatch):
     """Runs one block: in this process, or in a child for a slow one."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras_home"))
     if block.slow:
+        monkeypatch.chdir(tmp_path)
         run = run_with_memory_cap(
             block.code,
             memory_limit_mib=block.cap_mib or SUITE_CAP_MIB,
@@ -43,13 +36,7 @@ def run_block(block, tmp_path, monkeypatch):
             f"{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
         )
         return
-    namespace = {"__name__": "__main__", "__file__": block.path}
-    try:
-        exec(compile(block.code, block.name, "exec"), namespace)
-    finally:
-        namespace.clear()
-        keras.backend.clear_session()
-        gc.collect()
+    docs_blocks.run_in_process(block, tmp_path, monkeypatch)
 
 
 def _param(block):
