@@ -104,6 +104,8 @@ class GrowthConfig(NamedTuple):
         min_rise_bytes: Smallest rise over the tested window called growth.
         max_points: Most floors kept per series; beyond, neighbours merge
             (the lower floor kept), so the test's cost stays bounded.
+        min_rate_fraction: Smallest growth per unit that counts, as a
+            share of the last floor (`0`: none asked).
     """
 
     alpha: float
@@ -112,6 +114,7 @@ class GrowthConfig(NamedTuple):
     min_rate_bytes: float
     min_rise_bytes: float
     max_points: int
+    min_rate_fraction: float = 0.0
 
 
 def host_config(strict=True):
@@ -121,7 +124,10 @@ def host_config(strict=True):
     `evaluate` and `predict` calls (allocator arenas of new threads,
     Python's heaps, caches filled once), and jumps at times: so a rate of
     1 MiB per unit and a rise of 3 MiB are asked of it, and with `strict` a
-    significance of 0.01.
+    significance of 0.01 and a rate of 0.25% of the resident memory per
+    unit (a larger process creeps by more while it settles: a steady
+    keras.applications fit's resident memory rose by more than 1 MiB an
+    epoch, about 0.1% of it).
 
     Args:
         strict: Whether to ask the 0.01 significance (for `MemoryMonitor`,
@@ -141,6 +147,7 @@ def host_config(strict=True):
         alpha=0.01 if strict else 0.05,
         min_rate_bytes=1.0 * _MIB,
         min_rise_bytes=3.0 * _MIB,
+        min_rate_fraction=0.0025 if strict else 0.0,
     )
 
 
@@ -151,6 +158,7 @@ def make_config(
     min_rate_bytes=0.5 * _MIB,
     min_rise_bytes=1.0 * _MIB,
     max_points=96,
+    min_rate_fraction=0.0,
 ):
     """Returns a `GrowthConfig`, checked.
 
@@ -166,6 +174,8 @@ def make_config(
             Defaults to 1 MiB.
         max_points: Most floors kept per series, at least 8. Defaults to
             `96`.
+        min_rate_fraction: Smallest growth per unit that counts, as a share
+            of the last floor, in [0, 1). Defaults to `0.0`.
 
     Returns:
         A `GrowthConfig`.
@@ -192,11 +202,17 @@ def make_config(
         ("min_span", min_span),
         ("min_rate_bytes", min_rate_bytes),
         ("min_rise_bytes", min_rise_bytes),
+        ("min_rate_fraction", min_rate_fraction),
     ):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
             raise ValueError(
                 f"`{name}` must be a finite number of at least 0. Received: {name}={value!r}"
             )
+    if min_rate_fraction >= 1:
+        raise ValueError(
+            "`min_rate_fraction` must be below 1. "
+            f"Received: min_rate_fraction={min_rate_fraction!r}"
+        )
     return GrowthConfig(
         float(alpha),
         int(min_points),
@@ -204,6 +220,7 @@ def make_config(
         float(min_rate_bytes),
         float(min_rise_bytes),
         int(max_points),
+        float(min_rate_fraction),
     )
 
 
@@ -405,6 +422,7 @@ def assess(config, name, unit, xs, ys, limit_bytes=None, evidence=()):
         and result.span >= config.min_span
         and result.p_value < config.alpha
         and result.slope >= config.min_rate_bytes
+        and result.slope >= config.min_rate_fraction * result.last_floor
         and result.slope * result.span >= config.min_rise_bytes
         and min(result.first_half_slope, result.second_half_slope)
         >= max(0.5 * config.min_rate_bytes, HALF_SHARE * result.slope)

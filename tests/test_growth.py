@@ -266,3 +266,19 @@ def test_outputs_kept_in_a_fresh_process_and_a_steady_run():
         for name in ("cpu0", "host"):
             result = steady["results"][f"{kind}:{name}"]
             assert result["points"] >= 6 and not result["growing"], (kind, name, result)
+
+
+def test_the_monitors_host_rate_grows_with_the_resident_memory():
+    # A steady MobileNetV2 fit's resident memory, 1.1 to 1.4 GiB, crept
+    # 1.2 to 1.6 MiB an epoch (bench/bench_growth.py): under the monitor's
+    # 0.25% of the floor per epoch; 5 MiB an epoch is told; `check_growth`'s
+    # settings ask no share.
+    xs = tuple(float(x) for x in range(1, 9))
+
+    def floors(rate_mib):
+        return tuple((1400 + rate_mib * x) * MIB for x in xs)
+
+    strict, loose = growth.host_config(), growth.host_config(strict=False)
+    assert not growth.assess(strict, "host", "epoch", xs, floors(1.6)).growing
+    assert growth.assess(strict, "host", "epoch", xs, floors(5.0)).growing
+    assert growth.assess(loose, "host", "epoch", xs, floors(1.6)).growing
