@@ -116,6 +116,38 @@ def memory_cap_env(memory_limit_mib, base_env=None):
     return env
 
 
+def address_space_cap_env(base_env=None):
+    """Returns environment variables for a child whose address space is capped.
+
+    Under an address-space cap the CPU probe reads the process's resident
+    memory. glibc's `malloc` raises its mmap threshold each time a large
+    block is freed, after which freed tensors stay in its heap, resident:
+    the memory in use then climbs from batch to batch although nothing is
+    alive, and a guard plans against memory that is free. A fixed threshold
+    (`MALLOC_MMAP_THRESHOLD_`) hands every large block back when it is
+    freed, so resident memory follows the tensors alive, as a device
+    allocator's figure does. `run_with_address_space_cap` starts its child
+    with these; a script that caps itself after a warm-up needs them at its
+    start (glibc reads them once).
+
+    Args:
+        base_env: Mapping to start from. Defaults to `os.environ`.
+
+    Returns:
+        A new `dict` with `MALLOC_MMAP_THRESHOLD_` set (128 KiB) and
+        `PYTHONUNBUFFERED` defaulted.
+
+    Example:
+
+    >>> address_space_cap_env(base_env={})["MALLOC_MMAP_THRESHOLD_"]
+    '131072'
+    """
+    env = dict(os.environ if base_env is None else base_env)
+    env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
 def emit_result(value):
     """Sends a JSON-serializable value back to `run_with_memory_cap`.
 
@@ -319,8 +351,7 @@ def run_with_address_space_cap(
         f"resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))\n"
         "del resource\n"
     )
-    process_env = dict(os.environ)
-    process_env.setdefault("PYTHONUNBUFFERED", "1")
+    process_env = address_space_cap_env()
     if env:
         process_env.update(env)
     completed = subprocess.run(

@@ -10,7 +10,6 @@ fit whole and trains in micro-batches.
 """
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -21,7 +20,7 @@ import pytest
 import keras_memguard
 from keras_memguard import backends
 from keras_memguard.advice import variants
-from keras_memguard.testing import RESULT_MARKER
+from keras_memguard.testing import RESULT_MARKER, address_space_cap_env
 
 
 def wide_model():
@@ -124,7 +123,7 @@ emit_result(result)
 def test_under_a_real_cap_a_batch_that_does_not_fit_trains_in_micro_batches(tmp_path):
     path = str(tmp_path / "wide.keras")
     wide_model().save(path)
-    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONUNBUFFERED="1")
+    env = dict(address_space_cap_env(), KERAS_BACKEND="torch")
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_CAPPED_CHILD), path, str(tmp_path / "r.json")],
         capture_output=True, text=True, timeout=300, env=env,
@@ -132,7 +131,7 @@ def test_under_a_real_cap_a_batch_that_does_not_fit_trains_in_micro_batches(tmp_
     lines = [l for l in done.stdout.splitlines() if l.startswith(RESULT_MARKER)]
     assert lines, done.stderr[-3000:]
     result = json.loads(lines[-1][len(RESULT_MARKER):])
-    assert result["status"] == "ok", result
+    assert result["status"] == "ok", json.dumps(result)
     # 1536 samples do not fit in one step under the cap: the largest batch
     # is below it, and the guard trained it in micro-batches no larger.
     largest = result["largest_batch_size"]

@@ -1,6 +1,5 @@
 """`find_batch_size` on PyTorch: planned trial steps, read from the torch probe."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 import keras_memguard
-from keras_memguard.testing import RESULT_MARKER
+from keras_memguard.testing import RESULT_MARKER, address_space_cap_env
 
 ROOM = 160 << 20
 
@@ -149,7 +148,7 @@ else:
 def _in_a_fresh_process(*arguments):
     import json
 
-    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONUNBUFFERED="1")
+    env = dict(address_space_cap_env(), KERAS_BACKEND="torch")
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_CHILD), *map(str, arguments)],
         capture_output=True, text=True, timeout=400, env=env,

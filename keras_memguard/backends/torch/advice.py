@@ -22,6 +22,8 @@ interface is the one every backend's `advice` module has (see
 
 import contextlib
 
+import keras
+
 from keras_memguard.advice import variants
 
 NAME = "torch"
@@ -109,8 +111,18 @@ def training_note(name, guarded):
 
 
 def training_data(x, y, steps):
-    """The one batch, served `steps` times (`variants.RepeatedBatch`)."""
-    return variants.RepeatedBatch(x, y, steps)
+    """The one batch, as tensors, served `steps` times (`variants.RepeatedBatch`).
+
+    Keras' torch data loader copies a numpy batch on every step
+    (`np.array` in `convert_to_tensor`); a tensor already on the device
+    passes through as it is. Converted once here, no second copy of the
+    batch waits beside the step, which on the CPU stand-in is memory
+    under the same cap.
+    """
+    convert = keras.ops.convert_to_tensor
+    return variants.RepeatedBatch(
+        keras.tree.map_structure(convert, x), keras.tree.map_structure(convert, y), steps
+    )
 
 
 def step_peak(model, x, y, micro_batches, measured_bytes):

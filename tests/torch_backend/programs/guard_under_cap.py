@@ -171,9 +171,11 @@ def main(weights_path, headroom_mib="300"):
         model = build()
         guard = keras_memguard.MemoryGuard(memory_limit=limit)
         batches = Batches()
+        handler.messages.clear()
         history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
                             verbose=0, callbacks=[guard, batches])
         return {
+            "messages": list(handler.messages),
             "history": history_of(history),
             "counts": batches.counts,
             "losses": batches.losses,
