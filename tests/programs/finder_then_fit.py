@@ -10,7 +10,9 @@ benchmarks with 1024 samples, under the test's cap, with the allocator and
     finder_then_fit.py fit INPUT JIT BATCH -> {"trained": true/false}
 
 INPUT: `numpy`, `dataset` (a batched `tf.data.Dataset`) or `py_dataset`
-(a `keras.utils.PyDataset`); JIT: `auto` or `off`. Run by
+(a `keras.utils.PyDataset`), or `decoder`: the decoder language model of
+`programs.unseen_under_cap` on its numpy token ids instead of the CNN;
+JIT: `auto` or `off`. Run by
 tests/test_batch_size_finder.py; reports through `emit_result`.
 """
 
@@ -55,10 +57,15 @@ def data(kind, batch_size):
 
 
 def main(action, kind, jit, batch_size=32):
-    model = design_cnn()
+    if kind == "decoder":
+        from programs.unseen_under_cap import decoder
+
+        model, x, y, _ = decoder()
+    else:
+        model = design_cnn()
+        x, y = data(kind, int(batch_size))
     if jit == "off":
         model.jit_compile = False
-    x, y = data(kind, int(batch_size))
     if action == "find":
         found = keras_memguard.find_batch_size(model, x, y, verbose=0)
         emit_result({

@@ -193,7 +193,13 @@ def largest_compiled(model, source, room, ran, upper):
         )
         data = keras.utils.pack_x_y_sample_weight(*(p for p in batch if p is not None))
         memory = xla_memory.step_memory(step, data, 1)
-        return None if memory is None else memory.demand_bytes + held
+        if memory is None:
+            return None
+        # The batch is in memory before the step; its buffers go in what
+        # is left, where the allocator may give the largest the whole block.
+        if not xla_memory.fits_in_free_block(memory, room - held):
+            return float("inf")
+        return memory.demand_bytes + held
 
     fits, fitting = ran, demand(ran)
     if fitting is None:

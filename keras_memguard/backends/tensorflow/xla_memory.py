@@ -72,6 +72,36 @@ def memory_of_buffer_assignment(assignment, micro_batches):
     )
 
 
+# TensorFlow's BFC allocator cuts a request from a larger free block only
+# when the block is at least twice the request or the rest would be at
+# least this large (`kMaxInternalFragmentation`); otherwise the request
+# takes the whole block.
+BFC_SPLIT_REMAINDER_BYTES = 128 * 2**20
+
+
+def fits_in_free_block(memory, free_bytes):
+    """Tells whether a compiled step's buffers fit in one free block.
+
+    The step's largest buffer is cut from the block, and the rest of its
+    buffers go in what remains. Where the allocator would hand the largest
+    buffer the whole block (`BFC_SPLIT_REMAINDER_BYTES`), nothing remains
+    for the rest: a step can need less than the block and still not fit.
+
+    Args:
+        memory: The step's `StepMemory`.
+        free_bytes: The free block's size in bytes.
+
+    Returns:
+        `True` when the step's buffers fit in the block.
+    """
+    largest = memory.largest_allocation_bytes
+    if memory.demand_bytes > free_bytes:
+        return False
+    if memory.demand_bytes <= largest:
+        return True
+    return 2 * largest <= free_bytes or free_bytes - largest >= BFC_SPLIT_REMAINDER_BYTES
+
+
 def allocates(memory):
     """Tells whether the device can hold a compiled step's buffers right now.
 
