@@ -628,3 +628,52 @@ def test_guard_with_keras_callbacks_in_the_list_equals_plain_keras(tmp_path):
     )
     assert max_weight_difference(loaded, guarded) == 0.0
     assert os.listdir(tmp_path / "guarded" / "train")
+
+
+# --- The growth detector on these models: steady, and it says so. ---
+
+
+def _masked_lstm_input():
+    rng = np.random.default_rng(8)
+    sequences = [list(rng.integers(1, 50, size=rng.integers(2, 13))) for _ in range(96)]
+    x = keras.utils.pad_sequences(sequences, maxlen=12, padding="post").astype("int32")
+    return (x, (x[:, 0] % 2).astype("float32")), dict(batch_size=32)
+
+
+def _two_headed_input():
+    return two_headed_data(), dict(batch_size=20)
+
+
+def _py_dataset_input():
+    x, y = regression_data(n=100)
+    return (ArraySequence(x, y, 24),), {}
+
+
+@pytest.mark.parametrize(
+    "build, make_input",
+    [
+        (make_masked_lstm, _masked_lstm_input),
+        (make_two_headed, _two_headed_input),
+        (make_mlp(), _py_dataset_input),
+    ],
+    ids=["masked_lstm", "two_headed", "py_dataset"],
+)
+def test_the_growth_detector_judges_these_fits_steady(build, make_input):
+    # The other tests here fit for one or two epochs, fewer than the
+    # detector's window: these fit long enough for every series to be
+    # judged, under a guard splitting each batch, and none is growing.
+    fit_args, fit_kwargs = make_input()
+    keras.utils.set_random_seed(0)
+    model = build()
+    monitor = keras_memguard.MemoryMonitor(growth=True, memory_limit=GUARD_LIMIT)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(*fit_args, epochs=6, shuffle=False, verbose=0,
+                  callbacks=[guard(2), monitor], **fit_kwargs)
+    judged = {name: result for name, result in monitor.growth.items()
+              if name.startswith("epoch:")}
+    assert {"epoch:host", "epoch:cpu0"} <= set(judged), sorted(monitor.growth)
+    # Judged: enough floors for the trend test (four at the least).
+    assert all(r.p_value is not None and r.points >= 4 for r in judged.values()), judged
+    assert not [name for name, result in judged.items() if result.growing], judged
+    assert not [w for w in caught if "keeps growing" in str(w.message)]
