@@ -33,8 +33,9 @@ os.environ.update(
 import pytest  # noqa: E402
 
 # With MEMGUARD_TEST_SUBSET=floor (the floor end in `.ci/run`), the slow tests
-# run only from these files: the training core, the guard, the mixin and
-# inference, where Keras' and TensorFlow's internals differ by version. The
+# run only from these files: the training core, the guard, the mixin,
+# inference and the profiler, where Keras' and TensorFlow's internals differ
+# by version. The
 # finder, the advice, the examples, the benchmarks' smoke runs, the planning
 # figures and the user models run at the newest end; the fast tests run at
 # both.
@@ -50,6 +51,7 @@ FLOOR_SLOW_FILES = frozenset(
         "test_monitor.py",
         "test_multi_worker.py",
         "test_own_train_step.py",
+        "test_profile_spikes.py",
         "test_remat.py",
     )
 )

@@ -451,6 +451,8 @@ def test_bad_arguments_are_refused_with_the_value(kwargs, message):
         keras_memguard.MemoryGuard(**kwargs)
 
 
+# A few seconds: out of the fast loop.
+@pytest.mark.slow
 def test_a_model_trained_with_the_guard_can_be_freed():
     import gc
     import weakref

@@ -257,6 +257,8 @@ def test_a_running_profiler_session_is_left_alone(model, tmp_path):
     assert not _profiler_running()
 
 
+# A few seconds: out of the fast loop.
+@pytest.mark.slow
 def test_max_profiles_and_an_error_in_the_traced_batch(model, tmp_path):
     # Two spikes, two traces; the batch after the second spike fails inside
     # the train function: its trace is written all the same and the

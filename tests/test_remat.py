@@ -75,6 +75,8 @@ def test_models_the_rung_cannot_segment_say_why():
         remat.switch_on(own)
 
 
+# A few seconds: out of the fast loop.
+@pytest.mark.slow
 def test_with_the_rung_the_step_gives_the_weights_of_plain_training():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(6, 8, 8, 3)).astype("float32")

@@ -221,6 +221,8 @@ def test_summary_text(known_summary):
 # --- Drawing ---
 
 
+# A few seconds: out of the fast loop.
+@pytest.mark.slow
 def test_png_decodes_at_the_expected_size(known_run, tmp_path):
     import matplotlib.image
 
