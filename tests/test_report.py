@@ -9,6 +9,7 @@ costs the allocator's 10 s of retries).
 """
 
 import base64
+import gc
 import importlib.metadata
 import inspect
 import json
@@ -650,15 +651,15 @@ def test_recoveries_and_their_time_under_a_real_cap(tmp_path):
     assert "largest live tensor 240 MiB, output of 'conv2d'" in first["explanation"]
 
 
-class _KeepsEightMiBAnEpoch(keras.callbacks.Callback):
-    """A leak: holds 8 MiB more of device memory at every epoch's end."""
+class _KeepsThirtyTwoMiBAnEpoch(keras.callbacks.Callback):
+    """A leak: holds 32 MiB more of device memory at every epoch's end."""
 
     def __init__(self):
         super().__init__()
         self.kept = []
 
     def on_epoch_end(self, epoch, logs=None):
-        self.kept.append(tf.ones((2 * MIB,), tf.float32))
+        self.kept.append(tf.ones((8 * MIB,), tf.float32))
 
 
 def test_the_floor_its_growth_and_the_projection_are_reported_and_drawn(tmp_path):
@@ -667,7 +668,8 @@ def test_the_floor_its_growth_and_the_projection_are_reported_and_drawn(tmp_path
     monitor = keras_memguard.MemoryMonitor(
         log_dir=str(log_dir), memory_limit=4096 * MIB, growth=True
     )
-    leak = _KeepsEightMiBAnEpoch()
+    leak = _KeepsThirtyTwoMiBAnEpoch()
+    gc.collect()
     make_model().fit(
         x, y, batch_size=BATCH, epochs=6, shuffle=False, verbose=0,
         callbacks=[monitor, leak],
@@ -681,10 +683,11 @@ def test_the_floor_its_growth_and_the_projection_are_reported_and_drawn(tmp_path
     floors = {floor.series: floor for floor in summary.floors}
     assert set(floors) == {device, "host"}
     floor = floors[device]
-    # 8 MiB kept an epoch; memory other tests of this process left behind
-    # (freed by the collector while the fit runs) moves a floor by some MiB.
-    assert 30 <= floor.last_mib - floor.first_mib <= 50, floor
-    assert 4 <= floor.growth_mib_per_epoch <= 12, floor
+    # 32 MiB kept an epoch; memory that other tests of this process left
+    # behind, or that TensorFlow caches while the fit runs, moves a floor by
+    # some MiB (up to 10 seen).
+    assert 140 <= floor.last_mib - floor.first_mib <= 180, floor
+    assert 24 <= floor.growth_mib_per_epoch <= 40, floor
     assert floor.limit_mib == 4096
     assert floor.epochs_to_limit == math.ceil((4096 - floor.last_mib) / floor.growth_mib_per_epoch)
     text = summary_lib.format_summary(summary)
