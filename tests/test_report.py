@@ -683,11 +683,12 @@ def test_the_floor_its_growth_and_the_projection_are_reported_and_drawn(tmp_path
     floors = {floor.series: floor for floor in summary.floors}
     assert set(floors) == {device, "host"}
     floor = floors[device]
-    # 32 MiB kept an epoch; memory that other tests of this process left
-    # behind, or that TensorFlow caches while the fit runs, moves a floor by
-    # some MiB (up to 10 seen).
-    assert 140 <= floor.last_mib - floor.first_mib <= 180, floor
-    assert 24 <= floor.growth_mib_per_epoch <= 40, floor
+    # 32 MiB kept an epoch. Memory that other tests of this process left
+    # behind, or that TensorFlow caches while the fit runs, moves the first
+    # and last floors by some MiB (25 more seen at the floor end); the rate,
+    # a median of slopes, holds (32.0 MiB an epoch in that run).
+    assert 140 <= floor.last_mib - floor.first_mib <= 240, floor
+    assert 28 <= floor.growth_mib_per_epoch <= 36, floor
     assert floor.limit_mib == 4096
     assert floor.epochs_to_limit == math.ceil((4096 - floor.last_mib) / floor.growth_mib_per_epoch)
     text = summary_lib.format_summary(summary)
