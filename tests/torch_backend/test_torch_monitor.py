@@ -79,7 +79,7 @@ class _Recorder(keras.callbacks.Callback):
         self.batch_logs.append(dict(logs or {}))
 
 
-def test_fit_on_torch_writes_memory_scalars_and_logs(tmp_path):
+def test_fit_on_torch_writes_memory_scalars_and_logs(tmp_path, freed_peaks_in_vmhwm):
     x, y = _data()
     model = _model()
     recorder = _Recorder(spike_at=(0, 2))

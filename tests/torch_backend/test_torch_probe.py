@@ -45,7 +45,7 @@ def _fresh(monkeypatch):
 
 
 @pytest.mark.skipif(not ON_LINUX, reason="Reads /proc/self/status.")
-def test_host_reads_resident_memory_and_the_peak_of_each_interval():
+def test_host_reads_resident_memory_and_the_peak_of_each_interval(freed_peaks_in_vmhwm):
     probe = TorchMemoryProbe(memory_limit=64 * GIB)
     probe.reset()
     (before,) = probe.sample()
@@ -185,7 +185,7 @@ def test_real_limit_helpers_never_raise():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not ON_LINUX, reason="Reads /proc/self/status.")
-def test_a_forked_child_reads_and_resets_its_own_memory():
+def test_a_forked_child_reads_and_resets_its_own_memory(freed_peaks_in_vmhwm):
     probe = TorchMemoryProbe(memory_limit=GIB)
     probe.reset()
     probe.sample()
