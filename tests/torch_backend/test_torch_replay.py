@@ -179,8 +179,10 @@ def test_real_cpu_out_of_memory_is_replayed(tmp_path):
     with open(PROGRAM) as file:
         program = file.read()
     env = {"KERAS_BACKEND": "torch"}
+    # Plain `fit` at 512 maps 2.7 GiB at its peak on Keras 3.8 and 3.2 GiB
+    # on 3.15; 2.5 GiB is short of both.
     capped = run_with_address_space_cap(
-        program, 3000, env=env, arguments=["capped", str(tmp_path / "capped.npz")]
+        program, 2500, env=env, arguments=["capped", str(tmp_path / "capped.npz")]
     )
     result = capped.result
     assert result["plain_error"] is not None, "plain fit did not run out of memory"
