@@ -5,8 +5,9 @@ The only package that touches Keras' training internals (through
 `splitting` (cutting a batch into micro-batches), `accumulation` (the
 micro-batch loop and what it sums), `step` (the train step, its compiled
 functions and their cache), `replay` (the train function that pulls a batch
-and replays it after an out-of-memory error), `eval_replay` (evaluation in
-slices), `multi_worker` (agreement across workers) and `mixin`
+and replays it after an out-of-memory error), `slice_replay` (a batch run
+in slices, smaller after an out-of-memory error) under `eval_replay` and
+`predict_replay` (evaluation and prediction), `multi_worker` (agreement across workers) and `mixin`
 (`MemGuardMixin`).
 
 The names below are for a `train_step` of your own and for tools built on

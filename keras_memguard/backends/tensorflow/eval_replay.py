@@ -5,7 +5,8 @@ step that raises `tf.errors.ResourceExhaustedError` takes its batch, and the
 whole `fit`, with it. `ReplayTestFunction` pulls the batch first and runs
 Keras' compiled one-batch test step on it. On an out-of-memory error it asks
 its handler for more micro-batches and goes on evaluating the *rest* of the
-batch in smaller slices, one compiled call per slice.
+batch in smaller slices, one compiled call per slice (the slicing engine is
+`slice_replay.SlicedStepFunction`).
 
 Keras' evaluation metrics (the loss tracker, the compiled metrics)
 accumulate over samples, so evaluating the slices one after the other gives the
@@ -35,19 +36,16 @@ passes through unchanged.
 import weakref
 
 import tensorflow as tf
-from keras import tree
 
-from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.backends import compat
 from keras_memguard import step_functions as functions
-from keras_memguard.backends.tensorflow.replay import batch_size_of
 from keras_memguard.backends.tensorflow.replay import run_execution
-from keras_memguard.backends.tensorflow.replay import sample_size_of
-from keras_memguard.backends.tensorflow.splitting import validate_micro_batches
+from keras_memguard.backends.tensorflow.slice_replay import CompiledBatchStep
+from keras_memguard.backends.tensorflow.slice_replay import SlicedStepFunction
 from keras_memguard.backends.tensorflow.step import cached_function
 
 
-class ReplayTestFunction:
+class ReplayTestFunction(SlicedStepFunction):
     """Evaluates one batch at a time, in smaller slices after running out of memory.
 
     Install it as `model.test_function` (with `install()`) for the duration
@@ -70,6 +68,8 @@ class ReplayTestFunction:
     Attributes:
         micro_batches: The number of slices each batch is split into now.
         last_batch_size: The number of samples of the last batch, or `None`.
+        last_sample_size: Elements of one sample's inputs in the last
+            batch (read when a `plan` is given), or `None`.
         samples_done: How many samples of the current batch are evaluated
             (read by `on_out_of_memory`: where evaluation goes on from).
 
@@ -103,63 +103,20 @@ class ReplayTestFunction:
     ```
     """
 
+    _attribute = "test_function"
+    _set_function = staticmethod(functions.set_test_function)
+    _refusal = (
+        "ReplayTestFunction cannot split evaluation batches of a model "
+        "distributed over {replicas} replicas. HINT: evaluate with "
+        "Keras' own test function (do not install this one)."
+    )
+
     def __init__(self, model, micro_batches=1, on_out_of_memory=None, plan=None):
-        self.model = model
-        self.micro_batches = validate_micro_batches(micro_batches)
-        self.on_out_of_memory = on_out_of_memory
-        self.plan = plan
-        self.last_batch_size = None
-        self.last_sample_size = None
-        self.samples_done = 0
-        self._previous = None
-        self._installed = False
+        super().__init__(model, micro_batches, on_out_of_memory, plan)
         # (variable, value) of every metric variable after the last slice
         # that completed; `None` until the first batch of an evaluation.
         self._saved = None
         # The data iterator of the current evaluation (weakly).
-        self._iterator = None
-
-    @staticmethod
-    def supports(model):
-        """Tells whether a model's evaluation can be replayed in slices.
-
-        Args:
-            model: A compiled Keras model.
-
-        Returns:
-            `True` unless the model is distributed over several replicas.
-        """
-        strategy = getattr(model, "distribute_strategy", None)
-        return getattr(strategy, "num_replicas_in_sync", 1) == 1
-
-    def install(self):
-        """Makes this function the model's `test_function`.
-
-        Raises:
-            UnsupportedTrainingSetupError: If the model runs on several
-                replicas (see `supports`).
-        """
-        if not self.supports(self.model):
-            replicas = self.model.distribute_strategy.num_replicas_in_sync
-            raise UnsupportedTrainingSetupError(
-                "ReplayTestFunction cannot split evaluation batches of a model "
-                f"distributed over {replicas} replicas. HINT: evaluate with "
-                "Keras' own test function (do not install this one)."
-            )
-        if self._installed:
-            return
-        self._previous = self.model.test_function
-        functions.set_test_function(self.model, self)
-        self._installed = True
-        self._saved = None
-
-    def restore(self):
-        """Puts back the `test_function` found by `install()`. Safe to call twice."""
-        if self._installed and self.model.test_function is self:
-            functions.set_test_function(self.model, self._previous)
-        self._installed = False
-        self._previous = None
-        self._saved = None
         self._iterator = None
 
     def __call__(self, iterator):
@@ -179,71 +136,36 @@ class ReplayTestFunction:
             self.restore()
             raise
 
-    def run(self, data):
-        """Evaluates one batch, in smaller slices after an out-of-memory error.
-
-        Args:
-            data: One batch as the dataset yields it.
-
-        Returns:
-            The test step's logs after the batch: the metrics over every
-            batch evaluated so far.
-        """
-        data = single_replica(data)
-        step = test_step_function(self.model)
-        batch_size = batch_size_of(data)
-        self.last_batch_size = batch_size
-        self.samples_done = 0
+    def _start_batch(self):
         if self._saved is None:
             self._saved = _read_metrics(self.model)
-        if not batch_size:
-            # Nothing to split (no batch dimension): Keras' behaviour.
-            logs, self._saved = step.call(data)
-            return logs
-        if self.plan is not None:
-            self.last_sample_size = sample_size_of(data)
-            self.micro_batches = validate_micro_batches(
-                self.plan(batch_size, self.last_sample_size)
-            )
-        logs = None
-        while self.samples_done < batch_size:
-            remaining = batch_size - self.samples_done
-            for start, size in slices_of(
-                self.samples_done, remaining, batch_size, self.micro_batches
-            ):
-                try:
-                    if size == batch_size:
-                        logs, self._saved = step.call(data)
-                    else:
-                        logs, after = step.call(slice_batch(data, start, size))
-                        self._saved = _count_slice_once(
-                            self.model, self._saved, after, size / batch_size
-                        )
-                except tf.errors.ResourceExhaustedError as error:
-                    _write_metrics(self.model, self._saved)
-                    self._raise_micro_batches(batch_size, size, error)
-                    break
-                self.samples_done += size
+        return test_step_function(self.model)
+
+    def _run_slice(self, step, data, fraction):
+        logs, after = step.call(data)
+        if fraction == 1:
+            self._saved = after
+        else:
+            self._saved = _count_slice_once(self.model, self._saved, after, fraction)
+        return logs
+
+    def _combine(self, parts):
+        # The logs of the last slice: the metrics over every batch so far.
+        logs = parts[-1]
         if logs is not None and self.micro_batches > 1 and _per_call_variables(self.model):
-            # The step's own logs predate the reweighing above.
+            # The step's own logs predate the reweighing of the slices.
             logs = compat.metrics_result_or_logs(self.model, logs)
         return logs
 
-    def _raise_micro_batches(self, batch_size, failed_size, error):
-        if self.on_out_of_memory is None:
-            raise error
-        failed_micro_batches = -(-batch_size // failed_size)
-        new = self.on_out_of_memory(batch_size, failed_micro_batches, error)
-        new = validate_micro_batches(new)
-        if new <= failed_micro_batches:
-            # The same slice again would fail again (each failure costs the
-            # allocator's retries): insist on smaller slices.
-            raise ValueError(
-                "`on_out_of_memory` must return more micro-batches than the "
-                f"{failed_micro_batches} that ran out of memory. "
-                f"Received: {new}"
-            ) from error
-        self.micro_batches = new
+    def _on_failed_slice(self):
+        _write_metrics(self.model, self._saved)
+
+    def _on_install(self):
+        self._saved = None
+
+    def _on_restore(self):
+        self._saved = None
+        self._iterator = None
 
 
 def _reference(value):
@@ -251,59 +173,6 @@ def _reference(value):
         return weakref.ref(value)
     except TypeError:  # Not weakly referenceable: keep it.
         return lambda: value
-
-
-def slices_of(done, remaining, batch_size, micro_batches):
-    """Yields `(start, size)` of the slices covering the samples left.
-
-    The samples left are cut into slices of about `batch_size /
-    micro_batches` (sizes differ by at most one), so that going on after a
-    failure uses the slice size the new count asks for.
-    """
-    count = min(remaining, -(-micro_batches * remaining // batch_size))
-    quotient, extra = divmod(remaining, count)
-    start = done
-    for i in range(count):
-        size = quotient + int(i < extra)
-        yield start, size
-        start += size
-
-
-def _slice_rows(item, start, size):
-    if item is None:
-        return None
-    if isinstance(item, tf.SparseTensor):
-        rank = item.shape.rank
-        return tf.sparse.slice(
-            item,
-            tf.constant([start] + [0] * (rank - 1), tf.int64),
-            tf.concat([tf.constant([size], tf.int64), item.dense_shape[1:]], 0),
-        )
-    if not isinstance(item, (tf.Tensor, tf.RaggedTensor)):
-        item = tf.convert_to_tensor(item)
-    if item.shape.rank == 0:
-        # A per-batch scalar is shared by every slice.
-        return item
-    # Slice where the batch lives (the host, for most input pipelines): no
-    # copy of the whole batch onto the accelerator.
-    with tf.device(getattr(item, "device", None) or None):
-        return item[start : start + size]
-
-
-def slice_batch(data, start, size):
-    return tree.map_structure(lambda item: _slice_rows(item, start, size), data)
-
-
-def single_replica(data):
-    """Unwraps per-replica values of a one-replica strategy into tensors."""
-
-    def unwrap(item):
-        values = getattr(item, "values", None)
-        if values is not None and not hasattr(item, "shape") and len(values) == 1:
-            return values[0]
-        return item
-
-    return tree.map_structure(unwrap, data)
 
 
 def _read_metrics(model):
@@ -355,52 +224,16 @@ def _count_slice_once(model, before, after, fraction):
     return scaled
 
 
-def optionals_to_none(data):
-    # As Keras' `_autoconvert_optionals`, before the spec is read.
-    return tree.map_structure(
-        lambda item: None if isinstance(item, tf.experimental.Optional) else item,
-        data,
-    )
-
-
-def relaxed_spec(data):
-    """The batch's type spec with an unknown batch size, as Keras traces."""
-
-    def relax(item):
-        if item is None:
-            return None
-        spec = tf.type_spec_from_value(item)
-        if spec.shape.rank:
-            spec = compat.with_unknown_batch_size(spec)
-        return spec
-
-    return tree.map_structure(relax, data)
-
-
-def spec_key(data):
-    return tuple(
-        None
-        if item is None
-        else (type(item).__name__, item.dtype, tuple(item.shape[1:]))
-        for item in tf.nest.flatten(data)
-    ) + (tf.nest.map_structure(lambda _: 0, data).__repr__(),)
-
-
-class _TestStep:
+class _TestStep(CompiledBatchStep):
     """Keras' compiled one-batch test step, also returning the metric values.
 
-    Traced once per input structure with an unknown batch size, as Keras'
-    own test function is (so a slice of any size reuses the trace, and the
-    metrics behave as in Keras). The values of the metric variables after
-    the step are read inside the same call (ordered after the updates by the
-    function's automatic control dependencies), so keeping them costs no
-    extra call per slice.
+    The values of the metric variables after the step are read inside the
+    same call (ordered after the updates by the function's automatic
+    control dependencies), so keeping them costs no extra call per slice.
     """
 
     def __init__(self, model):
         self.variables = None
-        self._eager = model.run_eagerly
-        self._traced = set()
         # Weak: the step lives in a cache keyed weakly by the model.
         model_ref = weakref.ref(model)
 
@@ -416,23 +249,11 @@ class _TestStep:
             self.variables = variables
             return outputs, [tf.identity(v.value) for v in variables]
 
-        if not self._eager:
-            one_step_on_data = tf.function(
-                one_step_on_data,
-                reduce_retracing=True,
-                jit_compile=model.jit_compile,
-            )
-        self._function = one_step_on_data
+        super().__init__(model, one_step_on_data)
 
     def call(self, data):
         """Returns `(logs, [(variable, value after the step), ...])`."""
-        data = optionals_to_none(data)
-        if not self._eager:
-            key = spec_key(data)
-            if key not in self._traced:
-                self._function.get_concrete_function(relaxed_spec(data))
-                self._traced.add(key)
-        logs, values = self._function(data)
+        logs, values = super().call(data)
         return logs, list(zip(self.variables, values))
 
 
