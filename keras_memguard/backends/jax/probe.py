@@ -15,25 +15,19 @@ Two things differ from TensorFlow's allocator:
   current and peak bytes are `None`, said once in an INFO line.
 """
 
-import logging
 import numbers
 import re
 from typing import NamedTuple, Optional
 
 from keras_memguard.probes.base import AllocatorSample
-from keras_memguard.probes.base import check_bytes
-from keras_memguard.probes.base import warn_at_user_code
-
-logger = logging.getLogger("keras_memguard")
+from keras_memguard.probes.base import DeviceMemoryProbe
+from keras_memguard.probes.base import log_once
+from keras_memguard.probes.base import parse_memory_limit
 
 LIMIT_SOURCES = ("user", "device", "unknown")
 PEAK_MEANING = "since_start"
 
 _DEVICE_RE = re.compile(r"^(?:.*/)?(?:device:)?([a-z]+):?(\d+)$", re.IGNORECASE)
-_LIMIT_HINT = (
-    "HINT: pass `memory_limit=<bytes>` (an int, or a dict such as "
-    '{"GPU:0": 16 * 2**30}) to the probe or callback.'
-)
 # Device sets already told about in this process: one INFO line each.
 _told = set()
 
@@ -64,30 +58,12 @@ def normalize_device(device):
     return f"{match.group(1).upper()}:{int(match.group(2))}"
 
 
-def _parse_limits(memory_limit):
-    """Validates `memory_limit`; returns `(limit_for_all, {device: limit})`."""
-    if memory_limit is None:
-        return None, {}
-    if not isinstance(memory_limit, dict):
-        return check_bytes(memory_limit, "memory_limit"), {}
-    limits = {}
-    for key, value in memory_limit.items():
-        short = normalize_device(key)
-        if short is None:
-            raise ValueError(
-                "`memory_limit` keys must be device strings such as "
-                f'"GPU:0". Received: memory_limit={memory_limit!r}'
-            )
-        limits[short] = check_bytes(value, f"memory_limit[{key!r}]")
-    return None, limits
-
-
 def _stat(stats, key):
     value = stats.get(key) if stats else None
     return int(value) if isinstance(value, numbers.Integral) else None
 
 
-class JaxMemoryProbe:
+class JaxMemoryProbe(DeviceMemoryProbe):
     """Reads JAX devices' memory: bytes in use, high-water mark, limit.
 
     Each `sample()` reads `memory_stats()` of every device. On GPU (and TPU)
@@ -98,6 +74,11 @@ class JaxMemoryProbe:
     known. CPU devices keep no statistics: their readings are `None`, said
     once in an INFO line on the `keras_memguard` logger. The probe never
     raises while sampling.
+
+    The mode of a device (`device_mode()`) is its platform (`"gpu"`,
+    `"tpu"`) when it keeps memory statistics, `"unavailable"` when it does
+    not (CPU); `mode` is `"unavailable"` if any device is, else the
+    platform.
 
     The memory limit of each device is, in this order (`limit_source()`):
     `"user"` (the `memory_limit` argument), `"device"` (`bytes_limit` of
@@ -132,6 +113,11 @@ class JaxMemoryProbe:
     # JAX has no per-interval peak reset; see the class docstring.
     peak_resets = False
 
+    _MODE_ORDER = ("unavailable",)
+    _NAME = "JAX memory probe"
+    _LIBRARY = "jax"
+    _normalize = staticmethod(normalize_device)
+
     def __init__(self, devices=None, memory_limit=None):
         if devices is not None:
             if isinstance(devices, (str, bytes)) or not isinstance(devices, (list, tuple)):
@@ -142,88 +128,20 @@ class JaxMemoryProbe:
                     f'device strings such as "GPU:0". Received: devices={devices!r}'
                 )
         self._requested = None if devices is None else tuple(devices)
-        self._limit_all, self._limits = _parse_limits(memory_limit)
-        self._covered = frozenset()
-        self._entries = None
-        self._by_device = {}
+        super().__init__(
+            *parse_memory_limit(
+                memory_limit, normalize_device, 'device strings such as "GPU:0"'
+            )
+        )
         self._marks = None
         self._interval_peaks = ()
         self._largest_free = {}
-        self._messages = []
-        self._logged = set()
-
-    def limits_given_elsewhere(self, memory_limit):
-        """Says that the caller applies its own limit to some devices.
-
-        Args:
-            memory_limit: The caller's limit: bytes for every device, a dict
-                from device string to bytes, or `None` (no device covered).
-        """
-        if memory_limit is None:
-            self._covered = frozenset()
-        elif isinstance(memory_limit, dict):
-            self._covered = frozenset(normalize_device(k) for k in memory_limit)
-        else:
-            self._covered = None  # every device
-
-    @property
-    def devices(self):
-        """Tuple of the device strings read, e.g. `("GPU:0", "GPU:1")`."""
-        self._ensure_ready()
-        return tuple(e.tf_device for e in self._entries)
 
     @property
     def jax_devices(self):
         """Tuple of the `jax.Device`s read, in `devices` order."""
         self._ensure_ready()
         return tuple(e.device for e in self._entries)
-
-    @property
-    def mode(self):
-        """`"unavailable"` if any device keeps no statistics, else its platform.
-
-        See `device_mode()`.
-        """
-        self._ensure_ready()
-        modes = [e.mode for e in self._entries]
-        if not modes or "unavailable" in modes:
-            return "unavailable"
-        return modes[0]
-
-    def device_mode(self, device):
-        """The mode of one device: its platform (`"gpu"`, `"tpu"`) when it
-        keeps memory statistics, `"unavailable"` when it does not (CPU).
-
-        Args:
-            device: A device string such as `"GPU:0"` or `"gpu0"`.
-
-        Raises:
-            ValueError: If the probe does not read `device`.
-        """
-        return self._entry(device).mode
-
-    def limit_bytes(self, device):
-        """The memory limit of one device in bytes, or `None`.
-
-        Args:
-            device: A device string such as `"GPU:0"` or `"gpu0"`.
-
-        Raises:
-            ValueError: If the probe does not read `device`.
-        """
-        return self._entry(device).limit
-
-    def limit_source(self, device):
-        """Where the limit of one device came from: `"user"`, `"device"`,
-        `"unknown"`.
-
-        Args:
-            device: A device string such as `"GPU:0"` or `"gpu0"`.
-
-        Raises:
-            ValueError: If the probe does not read `device`.
-        """
-        return self._entry(device).source
 
     def largest_free_bytes(self, device):
         """The largest free block of one device at the last sample, or `None`.
@@ -297,45 +215,22 @@ class JaxMemoryProbe:
         try:
             return entry.device.memory_stats()
         except Exception as e:  # A probe never stops training.
-            if entry.tf_device not in self._logged:
-                self._logged.add(entry.tf_device)
-                logger.warning(
-                    "%s.memory_stats() failed: %s. Its readings are None; "
-                    "this message is shown once per device.",
-                    entry.tf_device,
-                    e,
-                )
+            self._log_failure_once(
+                entry.tf_device, e, "%s.memory_stats() failed", entry.tf_device
+            )
             return None
 
     def _entry(self, device):
-        self._ensure_ready(stacklevel=4)
         if not isinstance(device, str):
+            # A jax.Device: named by its place among the devices read.
+            self._ensure_ready(stacklevel=4)
             device = getattr(device, "platform", "?") + ":" + str(
                 next(
                     (i for i, e in enumerate(self._entries) if e.device == device),
                     "?",
                 )
             )
-        entry = self._by_device.get(normalize_device(device))
-        if entry is None:
-            raise ValueError(
-                f"The probe does not read device {device!r}. It reads: "
-                f"{[e.tf_device for e in self._entries]}."
-            )
-        return entry
-
-    def _ensure_ready(self, stacklevel=3):
-        if self._entries is None:
-            try:
-                self._setup()
-            except Exception as e:  # Setup runs inside fit: never raise.
-                self._entries = ()
-                self._messages.append(
-                    f"The JAX memory probe could not start ({e!r}); it reads "
-                    "nothing. HINT: report this with the jax version."
-                )
-        while self._messages:
-            warn_at_user_code(self._messages.pop(0), stacklevel=stacklevel)
+        return super()._entry(device)
 
     def _setup(self):
         import jax
@@ -377,10 +272,9 @@ class JaxMemoryProbe:
             except Exception:
                 stats = None
             mode = device.platform if stats else "unavailable"
-            if self._limit_all is not None:
-                limit, source = self._limit_all, "user"
-            elif tf_device in self._limits:
-                limit, source = self._limits[tf_device], "user"
+            user = self._user_limit(tf_device)
+            if user is not None:
+                limit, source = user, "user"
             elif _stat(stats, "bytes_limit"):
                 limit, source = _stat(stats, "bytes_limit"), "device"
             else:
@@ -388,22 +282,17 @@ class JaxMemoryProbe:
             entries.append(
                 _Entry(device, tf_device, tf_device.lower().replace(":", ""), mode, limit, source)
             )
-        stray = sorted(set(self._limits) - {e.tf_device for e in entries})
-        if stray:
-            self._messages.append(
-                f"`memory_limit` names devices the probe does not read: {stray}; "
-                f"they are ignored. The probe reads {[e.tf_device for e in entries]}."
-            )
-        self._entries = tuple(entries)
-        self._by_device = {e.tf_device: e for e in entries}
+        self._warn_stray_limits([e.tf_device for e in entries])
         self._tell(entries)
+        return entries
 
     def _tell(self, entries):
         """One INFO line per kind of limitation, once per process."""
         unavailable = tuple(e.tf_device for e in entries if e.mode == "unavailable")
-        if unavailable and ("unavailable", unavailable) not in _told:
-            _told.add(("unavailable", unavailable))
-            logger.info(
+        if unavailable:
+            log_once(
+                _told,
+                ("unavailable", unavailable),
                 "%s: JAX keeps no memory statistics on %s (memory_stats() is "
                 "None), so the device memory readings are absent; micro-batch "
                 "plans come from the compiled step's memory analysis.",
@@ -411,25 +300,13 @@ class JaxMemoryProbe:
                 "this device" if len(unavailable) == 1 else "these devices",
             )
         measured = tuple(e.tf_device for e in entries if e.mode != "unavailable")
-        if measured and ("peak", measured) not in _told:
-            _told.add(("peak", measured))
-            logger.info(
+        if measured:
+            log_once(
+                _told,
+                ("peak", measured),
                 "%s: JAX cannot reset a device's peak, so the peak read is the "
                 "highest since the process started; a batch's own peak is "
                 "known when it sets a new high.",
                 ", ".join(measured),
             )
-        covered = self._covered
-        unknown = [
-            e.tf_device
-            for e in entries
-            if e.source == "unknown"
-            and e.mode != "unavailable"
-            and covered is not None
-            and e.tf_device not in covered
-        ]
-        if unknown:
-            self._messages.append(
-                f"{', '.join(unknown)}: no memory limit is known, so usage is "
-                f"None. {_LIMIT_HINT}"
-            )
+        self._warn_unknown_limits(entries)

@@ -1,16 +1,14 @@
 """Reads TensorFlow's allocator: current and per-interval peak bytes."""
 
-import logging
 import os
 from typing import NamedTuple, Optional
 
 from keras_memguard.probes.base import MIB
 from keras_memguard.probes.base import AllocatorSample
-from keras_memguard.probes.base import check_bytes
+from keras_memguard.probes.base import DeviceMemoryProbe
 from keras_memguard.probes.base import normalize_device
+from keras_memguard.probes.base import parse_memory_limit
 from keras_memguard.probes.base import warn_at_user_code
-
-logger = logging.getLogger("keras_memguard")
 
 # TensorFlow's own default when TF_CPU_BFC_MEM_LIMIT_IN_MB is unset or not an
 # integer (tensorflow/core/common_runtime/process_state.cc: 1 << 16 MiB).
@@ -22,10 +20,6 @@ MODES = ("bfc", "default", "unavailable", "gpu")
 _BFC_HINT = (
     "HINT: set TF_CPU_ALLOCATOR_USE_BFC=true (and TF_CPU_BFC_MEM_LIMIT_IN_MB="
     "<MiB> for a cap) in the environment before TensorFlow is imported."
-)
-_LIMIT_HINT = (
-    "HINT: pass `memory_limit=<bytes>` (an int, or a dict such as "
-    '{"GPU:0": 16 * 2**30}) to the probe or callback.'
 )
 
 
@@ -91,28 +85,16 @@ def logical_device_limits(physical_devices):
 
 def _parse_limits(memory_limit, devices):
     """Validates `memory_limit`; returns `(limit_for_all, {device: limit})`."""
-    if memory_limit is None or isinstance(memory_limit, dict):
-        limits = {}
-        for key, value in (memory_limit or {}).items():
-            short = normalize_device(key)
-            if short is None:
-                raise ValueError(
-                    "`memory_limit` keys must be CPU or GPU device "
-                    'strings such as "GPU:0". '
-                    f"Received: memory_limit={memory_limit!r}"
-                )
-            limits[short] = check_bytes(value, f"memory_limit[{key!r}]")
-        if devices is not None and set(limits) - set(devices):
-            raise ValueError(
-                "`memory_limit` names devices the probe does not read: "
-                f"{sorted(set(limits) - set(devices))}. "
-                f"Received: memory_limit={memory_limit!r} with "
-                f"devices={list(devices)!r}"
-            )
-        limit_all = None
-    else:
-        limit_all = check_bytes(memory_limit, "memory_limit")
-        limits = {}
+    limit_all, limits = parse_memory_limit(
+        memory_limit, normalize_device, 'CPU or GPU device strings such as "GPU:0"'
+    )
+    if devices is not None and set(limits) - set(devices):
+        raise ValueError(
+            "`memory_limit` names devices the probe does not read: "
+            f"{sorted(set(limits) - set(devices))}. "
+            f"Received: memory_limit={memory_limit!r} with "
+            f"devices={list(devices)!r}"
+        )
     smallest = min([limit_all or MIB] + list(limits.values()))
     if smallest < MIB:
         warn_at_user_code(
@@ -124,7 +106,7 @@ def _parse_limits(memory_limit, devices):
     return limit_all, limits
 
 
-class AllocatorProbe:
+class AllocatorProbe(DeviceMemoryProbe):
     """Reads TensorFlow's allocator: current bytes and the peak per interval.
 
     Each `sample()` reads `tf.config.experimental.get_memory_info` for every
@@ -136,6 +118,22 @@ class AllocatorProbe:
     Devices, modes and limits are resolved on first use (the first call of
     any method or property), so configure TensorFlow's devices
     (`set_visible_devices`, `set_logical_device_configuration`) before.
+
+    The mode of a device (`device_mode()`) says how far its readings can be
+    trusted; `mode` is the least reliable among the devices read
+    (`"unavailable"`, then `"default"`):
+
+    - `"bfc"`: the CPU BFC allocator is on
+      (`TF_CPU_ALLOCATOR_USE_BFC=true`): every allocation is counted and
+      a cap is enforced, as on a GPU. The project's GPU stand-in.
+    - `"default"`: TensorFlow's default CPU allocator (oneDNN on):
+      readings work but small allocations are not counted, so a small
+      model can read 0 bytes. Warned once.
+    - `"unavailable"`: TensorFlow keeps no statistics for the device
+      (`get_memory_info` raises `ValueError`, e.g. CPU with oneDNN off
+      and no BFC, or a device that does not exist): current and peak
+      are `None`. Warned once, with a hint.
+    - `"gpu"`: a GPU's allocator: every allocation is counted.
 
     The memory limit of each device is resolved in this order; see
     `limit_source()`:
@@ -183,6 +181,10 @@ class AllocatorProbe:
     ```
     """
 
+    _MODE_ORDER = ("unavailable", "default", "bfc", "gpu")
+    _NAME = "allocator probe"
+    _LIBRARY = "TensorFlow"
+
     def __init__(self, devices=None, memory_limit=None):
         if devices is not None:
             if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
@@ -206,110 +208,10 @@ class AllocatorProbe:
                     normalized.append(short)
             devices = tuple(normalized)
         self._requested_devices = devices
-
-        self._user_limit_all, self._user_limits = _parse_limits(
-            memory_limit, devices
-        )
-        # Devices whose limit a caller applies itself (None: all of them).
-        self._covered = frozenset()
-
-        self._entries = None
+        super().__init__(*_parse_limits(memory_limit, devices))
         self._readable = ()
-        self._by_device = {}
-        self._messages = []
-        self._logged = set()
         self._get_memory_info = None
         self._reset_memory_stats = None
-
-    def limits_given_elsewhere(self, memory_limit):
-        """Says that the caller applies its own limit to some devices.
-
-        A caller that reads this probe but divides by its own `memory_limit`
-        (a callback given one) tells the probe so before first use: the
-        devices that limit covers are not warned about as having no known
-        limit. The probe's own limits do not change.
-
-        Args:
-            memory_limit: The caller's limit: bytes for every device, a dict
-                from device string to bytes, or `None` (no device covered).
-        """
-        if memory_limit is None:
-            self._covered = frozenset()
-        elif isinstance(memory_limit, dict):
-            self._covered = frozenset(
-                normalize_device(key) for key in memory_limit
-            )
-        else:
-            self._covered = None  # every device
-
-    @property
-    def devices(self):
-        """Tuple of the TensorFlow device strings read, e.g. `("GPU:0",)`."""
-        self._ensure_ready()
-        return tuple(e.tf_device for e in self._entries)
-
-    @property
-    def mode(self):
-        """How much the allocator readings can be trusted.
-
-        - `"bfc"`: the CPU BFC allocator is on
-          (`TF_CPU_ALLOCATOR_USE_BFC=true`): every allocation is counted and
-          a cap is enforced, as on a GPU. The project's GPU stand-in.
-        - `"default"`: TensorFlow's default CPU allocator (oneDNN on):
-          readings work but small allocations are not counted, so a small
-          model can read 0 bytes. Warned once.
-        - `"unavailable"`: TensorFlow keeps no statistics for the device
-          (`get_memory_info` raises `ValueError`, e.g. CPU with oneDNN off
-          and no BFC, or a device that does not exist): current and peak
-          are `None`. Warned once, with a hint.
-        - `"gpu"`: a GPU's allocator: every allocation is counted.
-
-        When devices differ, the least reliable mode among them
-        (`"unavailable"`, then `"default"`); see `device_mode()`.
-        """
-        self._ensure_ready()
-        modes = {e.mode for e in self._entries}
-        for mode in ("unavailable", "default", "bfc", "gpu"):
-            if mode in modes:
-                return mode
-        return "unavailable"
-
-    def device_mode(self, device):
-        """Returns the mode (see `mode`) of one device read by the probe.
-
-        Args:
-            device: A device string such as `"GPU:0"` or `"gpu0"`.
-
-        Raises:
-            ValueError: If the probe does not read `device`.
-        """
-        return self._entry(device).mode
-
-    def limit_bytes(self, device):
-        """Returns the memory limit of one device in bytes, or `None`.
-
-        Args:
-            device: A device string such as `"GPU:0"` or `"gpu0"`.
-
-        Raises:
-            ValueError: If the probe does not read `device`.
-        """
-        return self._entry(device).limit
-
-    def limit_source(self, device):
-        """Returns where the limit of one device came from.
-
-        Args:
-            device: A device string such as `"GPU:0"` or `"gpu0"`.
-
-        Returns:
-            One of `"user"`, `"logical_device"`, `"cpu_bfc_env"`, `"nvml"`,
-            `"unknown"`.
-
-        Raises:
-            ValueError: If the probe does not read `device`.
-        """
-        return self._entry(device).source
 
     def reset(self):
         """Resets every device's peak to its current bytes (at train begin)."""
@@ -360,41 +262,13 @@ class AllocatorProbe:
                 self._log_failure("reset_memory_stats", entry, e)
 
     def _log_failure(self, what, entry, error):
-        key = (what, entry.tf_device)
-        if key not in self._logged:
-            self._logged.add(key)
-            logger.warning(
-                "tf.config.experimental.%s(%r) failed: %s. Its readings are "
-                "None; this message is shown once per device.",
-                what,
-                entry.tf_device,
-                error,
-            )
-
-    def _entry(self, device):
-        self._ensure_ready(stacklevel=4)
-        entry = self._by_device.get(normalize_device(device))
-        if entry is None:
-            raise ValueError(
-                f"The probe does not read device {device!r}. It reads: "
-                f"{[e.tf_device for e in self._entries]}."
-            )
-        return entry
-
-    def _ensure_ready(self, stacklevel=3):
-        # stacklevel=3 names the caller of the public method that called
-        # this helper: the line `stacklevel=2` would name if inlined there.
-        if self._entries is None:
-            try:
-                self._setup()
-            except Exception as e:  # Setup runs inside fit: never raise.
-                self._entries = ()
-                self._messages.append(
-                    f"The allocator probe could not start ({e!r}); it reads "
-                    "nothing. HINT: report this with the TensorFlow version."
-                )
-        while self._messages:
-            warn_at_user_code(self._messages.pop(0), stacklevel=stacklevel)
+        self._log_failure_once(
+            (what, entry.tf_device),
+            error,
+            "tf.config.experimental.%s(%r) failed",
+            what,
+            entry.tf_device,
+        )
 
     def _setup(self):
         """Resolves devices, modes, limits and names, once."""
@@ -421,13 +295,9 @@ class AllocatorProbe:
                 (d for d in existing if d.startswith("GPU:")),
                 key=lambda d: int(d.split(":")[1]),
             ) or ["CPU:0"]
-            stray = sorted(set(self._user_limits) - set(devices))
-            if stray:
-                self._messages.append(
-                    f"`memory_limit` names devices the probe does not read: "
-                    f"{stray}; they are ignored. The probe reads "
-                    f"{list(devices)}. HINT: pass `devices=` or fix the keys."
-                )
+            self._warn_stray_limits(
+                devices, " HINT: pass `devices=` or fix the keys."
+            )
 
         cpu_bfc_limit = cpu_bfc_limit_bytes()
         nvml = None
@@ -446,10 +316,9 @@ class AllocatorProbe:
                 mode = "unavailable"
 
             physical_ordinal, logical_limit = logical.get(tf_device, (None, None))
-            if self._user_limit_all is not None:
-                limit, source = self._user_limit_all, "user"
-            elif tf_device in self._user_limits:
-                limit, source = self._user_limits[tf_device], "user"
+            user = self._user_limit(tf_device)
+            if user is not None:
+                limit, source = user, "user"
             elif logical_limit is not None:
                 limit, source = logical_limit, "logical_device"
             elif kind == "CPU" and cpu_bfc_limit is not None:
@@ -475,9 +344,10 @@ class AllocatorProbe:
             nvml.close()
 
         self._warn_about(entries, existing, nvml)
-        self._entries = tuple(entries)
+        return entries
+
+    def _index_entries(self, entries):
         self._readable = tuple(e for e in entries if e.mode != "unavailable")
-        self._by_device = {e.tf_device: e for e in entries}
 
     def _warn_about(self, entries, existing, nvml):
         """Queues one warning per kind of problem, naming every device."""
@@ -511,31 +381,13 @@ class AllocatorProbe:
                 "not count small allocations, so a small model can read 0 "
                 "bytes" + self._limit_clause(entries, default) + f". {_BFC_HINT}"
             )
-        # Devices above already warned about their unknown limit.
-        covered = self._covered
-        unknown = names(
-            lambda e: e.source == "unknown"
-            and e.mode in ("bfc", "gpu")
-            and covered is not None
-            and e.tf_device not in covered
-        )
-        if unknown:
-            nvml_note = ""
-            if nvml is not None and nvml.message:
-                nvml_note = f" NVML could not help: {nvml.message}"
-            self._messages.append(
-                f"{join(unknown)}: no memory limit is known, so usage is None."
-                f"{nvml_note} {_LIMIT_HINT}"
-            )
+        nvml_note = ""
+        if nvml is not None and nvml.message:
+            nvml_note = f" NVML could not help: {nvml.message}"
+        # The warnings above already said the limit of these modes.
+        self._warn_unknown_limits(entries, ("unavailable", "default"), nvml_note)
 
     def _limit_clause(self, entries, devices):
-        covered = self._covered
-        if covered is None:
-            return ""
-        if any(
-            e.source == "unknown" and e.tf_device not in covered
-            for e in entries
-            if e.tf_device in devices
-        ):
+        if any(self._limit_unknown(e) for e in entries if e.tf_device in devices):
             return ", and no memory limit is known, so usage is None"
         return ""

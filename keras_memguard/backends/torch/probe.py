@@ -26,8 +26,9 @@ import weakref
 from typing import NamedTuple, Optional
 
 from keras_memguard.probes.base import AllocatorSample
-from keras_memguard.probes.base import check_bytes
-from keras_memguard.probes.base import warn_at_user_code
+from keras_memguard.probes.base import DeviceMemoryProbe
+from keras_memguard.probes.base import log_once
+from keras_memguard.probes.base import parse_memory_limit
 
 logger = logging.getLogger("keras_memguard")
 
@@ -49,10 +50,6 @@ _CGROUP_V1_UNLIMITED = 1 << 62
 
 _DEVICE_RE = re.compile(
     r"^(?:.*/)?(?:device:)?(cpu|gpu|cuda):?(\d+)?$", re.IGNORECASE
-)
-_LIMIT_HINT = (
-    "HINT: pass `memory_limit=<bytes>` (an int, or a dict such as "
-    '{"GPU:0": 16 * 2**30}) to the probe or callback.'
 )
 # Things already told about in this process: one INFO line each.
 _told = set()
@@ -124,25 +121,6 @@ def _parse(device):
     if index is None:
         return kind, 0 if kind == "CPU" else None
     return kind, int(index)
-
-
-def _parse_limits(memory_limit):
-    """Validates `memory_limit`; returns `(limit_for_all, {device: limit})`."""
-    if memory_limit is None:
-        return None, {}
-    if not isinstance(memory_limit, dict):
-        return check_bytes(memory_limit, "memory_limit"), {}
-    limits = {}
-    for key, value in memory_limit.items():
-        short = normalize_device(key)
-        if short is None:
-            raise ValueError(
-                "`memory_limit` keys must be device strings with an index "
-                f'such as "GPU:0", "cuda:0" or "CPU:0". '
-                f"Received: memory_limit={memory_limit!r}"
-            )
-        limits[short] = check_bytes(value, f"memory_limit[{key!r}]")
-    return None, limits
 
 
 def _nested(stats, group, key):
@@ -279,7 +257,7 @@ def _rlimit_as_bytes():
     return int(soft)
 
 
-class TorchMemoryProbe:
+class TorchMemoryProbe(DeviceMemoryProbe):
     """Reads memory on Keras' PyTorch backend: bytes in use and the peak.
 
     Each `sample()` reads every device, then resets its peak, so a sample's
@@ -311,6 +289,9 @@ class TorchMemoryProbe:
       interval's start and end, which misses a peak between the two.
     - `"unavailable"`: no reading (no `/proc`, as on macOS and Windows; a
       CUDA device that does not exist): current and peak are `None`.
+
+    `mode` is the least reliable among the devices read: `"unavailable"`,
+    then `"host_sampled"`, `"host"`, `"cuda"`.
 
     The memory limit of each device is, in this order (`limit_source()`):
 
@@ -358,6 +339,11 @@ class TorchMemoryProbe:
     ```
     """
 
+    _MODE_ORDER = ("unavailable", "host_sampled", "host", "cuda")
+    _NAME = "PyTorch memory probe"
+    _LIBRARY = "torch"
+    _normalize = staticmethod(normalize_device)
+
     def __init__(self, devices=None, memory_limit=None):
         if devices is not None:
             if isinstance(devices, (str, bytes)) or not isinstance(devices, (list, tuple)):
@@ -380,10 +366,13 @@ class TorchMemoryProbe:
                 )
             devices = tuple(requested)
         self._requested = devices
-        self._limit_all, self._limits = _parse_limits(memory_limit)
-        self._covered = frozenset()
-        self._entries = None
-        self._by_device = {}
+        super().__init__(
+            *parse_memory_limit(
+                memory_limit,
+                normalize_device,
+                'device strings with an index such as "GPU:0", "cuda:0" or "CPU:0"',
+            )
+        )
         self._cuda = ()  # entries read from CUDA's allocator
         self._host_entries = ()  # entries read from /proc/self/status
         self._host = None
@@ -393,33 +382,6 @@ class TorchMemoryProbe:
         self._interval_peaks = ()
         # The host's last (rss, hwm), for "host_sampled".
         self._host_last = None
-        self._messages = []
-        self._logged = set()
-
-    def limits_given_elsewhere(self, memory_limit):
-        """Says that the caller applies its own limit to some devices.
-
-        A caller that reads this probe but divides by its own `memory_limit`
-        (a callback given one) tells the probe so before first use: the
-        devices that limit covers are not warned about as having no known
-        limit. The probe's own limits do not change.
-
-        Args:
-            memory_limit: The caller's limit: bytes for every device, a dict
-                from device string to bytes, or `None` (no device covered).
-        """
-        if memory_limit is None:
-            self._covered = frozenset()
-        elif isinstance(memory_limit, dict):
-            self._covered = frozenset(normalize_device(k) for k in memory_limit)
-        else:
-            self._covered = None  # every device
-
-    @property
-    def devices(self):
-        """Tuple of the device strings read, e.g. `("GPU:0",)` or `("CPU:0",)`."""
-        self._ensure_ready()
-        return tuple(e.tf_device for e in self._entries)
 
     @property
     def cuda_indices(self):
@@ -433,63 +395,12 @@ class TorchMemoryProbe:
         return tuple(e.index for e in self._entries)
 
     @property
-    def mode(self):
-        """The least reliable mode among the devices read; see `device_mode()`.
-
-        `"unavailable"`, then `"host_sampled"`, `"host"`, `"cuda"`.
-        """
-        self._ensure_ready()
-        modes = {e.mode for e in self._entries}
-        for mode in ("unavailable", "host_sampled", "host", "cuda"):
-            if mode in modes:
-                return mode
-        return "unavailable"
-
-    @property
     def peak_resets(self):
         """Whether every device's peak is reset at each reading.
 
         `False` where a device is `"host_sampled"` or `"unavailable"`.
         """
         return self.mode in ("cuda", "host")
-
-    def device_mode(self, device):
-        """The mode of one device: `"cuda"`, `"host"`, `"host_sampled"` or
-        `"unavailable"` (see the class docstring).
-
-        Args:
-            device: A device string such as `"GPU:0"` or `"cpu0"`.
-
-        Raises:
-            ValueError: If the probe does not read `device`.
-        """
-        return self._entry(device).mode
-
-    def limit_bytes(self, device):
-        """The memory limit of one device in bytes, or `None`.
-
-        Args:
-            device: A device string such as `"GPU:0"` or `"gpu0"`.
-
-        Raises:
-            ValueError: If the probe does not read `device`.
-        """
-        return self._entry(device).limit
-
-    def limit_source(self, device):
-        """Where the limit of one device came from.
-
-        Args:
-            device: A device string such as `"GPU:0"` or `"gpu0"`.
-
-        Returns:
-            One of `"user"`, `"memory_fraction"`, `"device"`, `"cgroup"`,
-            `"rlimit_as"`, `"unknown"`.
-
-        Raises:
-            ValueError: If the probe does not read `device`.
-        """
-        return self._entry(device).source
 
     def reserved_bytes(self, device):
         """The memory CUDA's caching allocator reserved at the last sample.
@@ -635,49 +546,11 @@ class TorchMemoryProbe:
                 self._log_failure("reset_peak_memory_stats", entry, e)
 
     def _log_failure(self, what, entry, error, where=None):
-        key = (what, entry.tf_device)
-        if key not in self._logged:
-            self._logged.add(key)
-            if where is None:
-                where = f"torch.cuda.{what}({entry.index})"
-            logger.warning(
-                "%s failed for %s: %s. Its readings are None; this message is "
-                "shown once per device.",
-                where,
-                entry.tf_device,
-                error,
-            )
-
-    def _entry(self, device):
-        self._ensure_ready(stacklevel=4)
-        short = normalize_device(device)
-        if short is None and isinstance(device, str):
-            match = re.match(r"^(cpu|gpu)(\d+)$", device.strip().lower())
-            if match:
-                short = f"{match.group(1).upper()}:{int(match.group(2))}"
-        entry = self._by_device.get(short)
-        if entry is None:
-            raise ValueError(
-                f"The probe does not read device {device!r}. It reads: "
-                f"{[e.tf_device for e in self._entries]}."
-            )
-        return entry
-
-    def _ensure_ready(self, stacklevel=3):
-        # stacklevel=3 names the caller of the public method that called
-        # this helper: the line `stacklevel=2` would name if inlined there.
-        if self._entries is None:
-            try:
-                self._setup()
-            except Exception as e:  # Setup runs inside fit: never raise.
-                self._entries = ()
-                self._cuda = self._host_entries = ()
-                self._messages.append(
-                    f"The PyTorch memory probe could not start ({e!r}); it "
-                    "reads nothing. HINT: report this with the torch version."
-                )
-        while self._messages:
-            warn_at_user_code(self._messages.pop(0), stacklevel=stacklevel)
+        if where is None:
+            where = f"torch.cuda.{what}({entry.index})"
+        self._log_failure_once(
+            (what, entry.tf_device), error, "%s failed for %s", where, entry.tf_device
+        )
 
     def _default_device(self, torch):
         """`(kind, index)` of the device Keras places tensors on."""
@@ -685,7 +558,8 @@ class TorchMemoryProbe:
         if chosen:
             kind, index = _parse(chosen)
             if kind is None:
-                self._tell(
+                log_once(
+                    _told,
                     ("other", chosen),
                     "KERAS_TORCH_DEVICE=%s: the memory of that device is not "
                     "read; the host's resident memory is (CPU:0).",
@@ -703,7 +577,7 @@ class TorchMemoryProbe:
 
         cuda = torch.cuda
         requested = self._requested or (self._default_device(torch),)
-        entries = []
+        entries = {}
         missing = []
         for kind, index in requested:
             if kind == "GPU":
@@ -712,7 +586,7 @@ class TorchMemoryProbe:
                 if index is None:
                     index = cuda.current_device() if available else 0
                 tf_device = f"GPU:{index}"
-                if tf_device in self._by_device:
+                if tf_device in entries:
                     continue
                 if index >= count:
                     missing.append(tf_device)
@@ -725,7 +599,7 @@ class TorchMemoryProbe:
                 entry = _Entry(tf_device, f"gpu{index}", index, mode, limit, source)
             else:
                 tf_device = "CPU:0"
-                if tf_device in self._by_device:
+                if tf_device in entries:
                     continue
                 self._host = _HostStatus()
                 if not self._host.open():
@@ -739,28 +613,20 @@ class TorchMemoryProbe:
                 else:
                     limit, source = self._host_limit()
                 entry = _Entry(tf_device, "cpu0", None, mode, limit, source)
-            entries.append(entry)
-            self._by_device[tf_device] = entry
-        stray = sorted(set(self._limits) - set(self._by_device))
-        if stray:
-            self._messages.append(
-                f"`memory_limit` names devices the probe does not read: {stray}; "
-                f"they are ignored. The probe reads {[e.tf_device for e in entries]}."
-            )
-        self._entries = tuple(entries)
+            entries[tf_device] = entry
+        entries = tuple(entries.values())
+        self._warn_stray_limits([e.tf_device for e in entries])
+        if any(e.mode == "cuda" for e in entries):
+            self._stats = cuda.memory_stats_as_nested_dict
+            self._reset_peak = cuda.reset_peak_memory_stats
+        self._explain(entries, missing)
+        return entries
+
+    def _index_entries(self, entries):
         self._cuda = tuple(e for e in entries if e.mode == "cuda")
         self._host_entries = tuple(
             e for e in entries if e.index is None and e.mode != "unavailable"
         )
-        if self._cuda:
-            self._stats = cuda.memory_stats_as_nested_dict
-            self._reset_peak = cuda.reset_peak_memory_stats
-        self._explain(entries, missing)
-
-    def _user_limit(self, tf_device):
-        if self._limit_all is not None:
-            return self._limit_all
-        return self._limits.get(tf_device)
 
     def _cuda_limit(self, cuda, tf_device, index):
         user = self._user_limit(tf_device)
@@ -795,12 +661,6 @@ class TorchMemoryProbe:
             return rlimit, "rlimit_as"
         return None, "unknown"
 
-    def _tell(self, key, message, *args):
-        """One INFO line per kind of limitation, once per process."""
-        if key not in _told:
-            _told.add(key)
-            logger.info(message, *args)
-
     def _explain(self, entries, missing):
         if missing:
             self._messages.append(
@@ -811,31 +671,20 @@ class TorchMemoryProbe:
         host = self._host
         for entry in entries:
             if entry.mode == "unavailable" and entry.index is None:
-                self._tell(
+                log_once(
+                    _told,
                     ("unavailable", host.why_not_readable),
                     "CPU:0: the process's resident memory cannot be read: %s. "
                     "Its readings are None.",
                     host.why_not_readable,
                 )
             elif entry.mode == "host_sampled":
-                self._tell(
+                log_once(
+                    _told,
                     ("sampled", host.why_no_reset),
                     "CPU:0: the peak of resident memory cannot be reset: %s. "
                     "A sample's peak is VmHWM when it rose since the previous "
                     "sample, otherwise the higher of the two readings.",
                     host.why_no_reset,
                 )
-        covered = self._covered
-        unknown = [
-            e.tf_device
-            for e in entries
-            if e.source == "unknown"
-            and e.mode != "unavailable"
-            and covered is not None
-            and e.tf_device not in covered
-        ]
-        if unknown:
-            self._messages.append(
-                f"{', '.join(unknown)}: no memory limit is known, so usage is "
-                f"None. {_LIMIT_HINT}"
-            )
+        self._warn_unknown_limits(entries)
