@@ -55,6 +55,8 @@ FIXED_EPOCHS = 4
 # real run's many batches would show it.
 GUARD_EPOCHS = 3
 PARTS = ("plain", "guard", "fixed", "finder")
+# A child that runs longer is stopped and reported as timed out.
+CHILD_TIMEOUT_S = 1800
 # name: batch size
 MODELS = {
     "efficientnet": 32,
@@ -210,9 +212,11 @@ def run_child(spec, cap_mib, keras_home=None, busy=False):
         ]
     try:
         run = run_script_with_memory_cap(
-            [__file__, "--child", json.dumps(spec)], cap_mib, timeout=1800,
+            [__file__, "--child", json.dumps(spec)], cap_mib, timeout=CHILD_TIMEOUT_S,
             env={"KERAS_HOME": home}, check=False, as_gpu=True,
         )
+    except subprocess.TimeoutExpired:
+        return {"timeout": CHILD_TIMEOUT_S}
     finally:
         for hog in hogs:
             hog.kill()
@@ -254,6 +258,7 @@ def measure(name, xla, parts, share, report):
         row["guard"] = runs
         row["errors"] = sum(r.get("ooms", 0) for r in runs)
         row["crashes"] = sum(1 for r in runs if "crash" in r or "error" in r)
+        row["timeouts"] = sum(1 for r in runs if "timeout" in r)
         row["all_batches"] = all(r.get("batches") == STEPS * GUARD_EPOCHS for r in runs)
         row["settled"] = [settled(r, batch) for r in runs]
         first, _, shared = row["settled"]
@@ -317,6 +322,12 @@ def report_line(row):
     )
     if row.get("error"):
         print(f"<!-- {row['model']} {row['xla']}: {row['error'][:300]} -->", flush=True)
+    if row.get("timeouts"):
+        print(
+            f"<!-- {row['model']} {row['xla']}: {row['timeouts']} guarded run(s) "
+            f"stopped after {CHILD_TIMEOUT_S} s -->",
+            flush=True,
+        )
 
 
 def main():
