@@ -2,10 +2,14 @@
 
 How a batch is cut into micro-batches, and the counts a replay gets where
 no memory figure is known (`MemGuardMixin` trained without `MemoryGuard`),
-which come from the decider: one replay policy for every backend.
+which come from the decider: one replay policy for every backend. Also the
+check of what an `on_out_of_memory` handler returns, the memory in use read
+from a probe's samples, and the swap of a model's test or predict function
+for a guarded `evaluate` or `predict`.
 """
 
 from keras_memguard import decider
+from keras_memguard import step_functions
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.errors import MicroBatchTooLargeError
 
@@ -74,6 +78,21 @@ def replay_count(failure):
     return decided.micro_batches
 
 
+def double_micro_batches(failure):
+    """The default handler: `keras_memguard.backends.shared.replay_count`.
+
+    Args:
+        failure: A `StepOutOfMemory`.
+
+    Returns:
+        The count to replay with (about twice the one that failed).
+
+    Raises:
+        MicroBatchTooLargeError: If one sample per micro-batch failed.
+    """
+    return replay_count(failure)
+
+
 def slice_count(failure):
     """The slice count to go on evaluating or predicting a batch with.
 
@@ -116,3 +135,77 @@ def prepare_multi_worker(model):
     """
     return model
 
+
+def checked_larger_count(larger, failed, batch_size, error, unit="micro-batch"):
+    """What an `on_out_of_memory` handler returned, checked to be a larger count.
+
+    Args:
+        larger: The handler's return value.
+        failed: The count that ran out of memory.
+        batch_size: Samples in the batch.
+        error: The out-of-memory error, chained to the one raised here.
+        unit: What is counted, for the message: `"micro-batch"` or
+            `"slice"`.
+
+    Returns:
+        `larger`.
+
+    Raises:
+        ValueError: If `larger` is not an `int` that, capped at
+            `batch_size`, is larger than `failed` (a smaller one would fail
+            again, or loop).
+    """
+    if isinstance(larger, bool) or not isinstance(larger, int) or min(larger, batch_size) <= failed:
+        raise ValueError(
+            f"`on_out_of_memory` must return a {unit} count larger than the "
+            f"one that failed ({failed}), for a batch of {batch_size}. "
+            f"Received: {larger!r}"
+        ) from error
+    return larger
+
+
+def in_use_bytes(samples):
+    """The memory in use a probe's samples show: the most of any device's.
+
+    Args:
+        samples: Memory samples, each with `current_bytes` (or `None`).
+
+    Returns:
+        A float, or `None` where no sample knows it.
+    """
+    in_use = [s.current_bytes for s in samples if s.current_bytes is not None]
+    return float(max(in_use)) if in_use else None
+
+
+def install_inference_function(model, kind, function):
+    """Puts `function` in place of the model's test or predict function.
+
+    Args:
+        model: The Keras model.
+        kind: `"evaluate"` (its test function) or `"predict"`.
+        function: The guarded function.
+
+    Returns:
+        The function it replaced, for `restore_inference_function`.
+    """
+    if kind == "evaluate":
+        previous = model.test_function
+        step_functions.set_test_function(model, function)
+    else:
+        previous = model.predict_function
+        step_functions.set_predict_function(model, function)
+    return previous
+
+
+def restore_inference_function(model, kind, previous):
+    """Puts back the function `install_inference_function` replaced.
+
+    Args:
+        model: The Keras model.
+        kind: `"evaluate"` or `"predict"`, as installed.
+        previous: What `install_inference_function` returned.
+    """
+    if kind == "evaluate":
+        step_functions.set_test_function(model, previous)
+    else:
+        step_functions.set_predict_function(model, previous)

@@ -102,13 +102,9 @@ class _SlicedFunction:
                     raise
                 failure = StepOutOfMemory(batch_size, k, error, failed_allocation_bytes(error))
                 larger = self.on_out_of_memory(failure)
-                if isinstance(larger, bool) or not isinstance(larger, int) or min(larger, batch_size) <= k:
-                    raise ValueError(
-                        "`on_out_of_memory` must return a slice count larger "
-                        f"than the one that failed ({k}), for a batch of "
-                        f"{batch_size}. Received: {larger!r}"
-                    ) from error
-                self.micro_batches = larger
+                self.micro_batches = shared.checked_larger_count(
+                    larger, k, batch_size, error, unit="slice"
+                )
                 self.replays += 1
                 continue  # the same samples, in smaller slices
             on_slice(result)

@@ -20,6 +20,7 @@ from typing import Optional
 import jax
 
 from keras_memguard.backends import shared
+from keras_memguard.backends.shared import double_micro_batches
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.backends.jax.compiled import StepCache
 from keras_memguard.compiled_plan import StepMemory
@@ -124,21 +125,6 @@ class StepOutOfMemory(NamedTuple):
     allocation_bytes: Optional[int]
     memory: Optional[StepMemory] = None
     analyse: Optional[Callable[[int], Optional[StepMemory]]] = None
-
-
-def double_micro_batches(failure):
-    """The default handler: `keras_memguard.backends.shared.replay_count`.
-
-    Args:
-        failure: A `StepOutOfMemory`.
-
-    Returns:
-        The count to replay with (about twice the one that failed).
-
-    Raises:
-        MicroBatchTooLargeError: If one sample per micro-batch failed.
-    """
-    return shared.replay_count(failure)
 
 
 class ReplayingTrainFunction:
@@ -257,15 +243,7 @@ class ReplayingTrainFunction:
                 error.__traceback__ = None
                 self.failures.append(failure._replace(analyse=None))
                 result = failure = None
-                if (
-                    isinstance(larger, bool)
-                    or not isinstance(larger, int)
-                    or min(larger, batch_size) <= k
-                ):
-                    raise ValueError(
-                        "`on_out_of_memory` must return a micro-batch count "
-                        f"larger than the one that failed ({k}), for a batch "
-                        f"of {batch_size}. Received: {larger!r}"
-                    ) from error
-                self.micro_batches = larger
+                self.micro_batches = shared.checked_larger_count(
+                    larger, k, batch_size, error
+                )
                 self.replays += 1

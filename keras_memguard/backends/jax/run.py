@@ -33,6 +33,7 @@ from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks import messages
 from keras_memguard.callbacks import oom_report
 from keras_memguard.errors import UnsupportedTrainingSetupError
+from keras_memguard.backends import shared
 from keras_memguard.backends.jax.compiled import StepCache
 from keras_memguard.backends.jax.compiled import shape_key
 from keras_memguard.backends.jax.inference import SlicedPredictFunction
@@ -44,7 +45,6 @@ from keras_memguard.backends.jax.replay import ReplayingTrainFunction
 from keras_memguard.backends.jax.replay import is_out_of_memory
 from keras_memguard.backends.jax.step import batch_size_of
 from keras_memguard.backends.jax.support import check_supported
-from keras_memguard import step_functions as functions
 
 logger = logging.getLogger("keras_memguard")
 
@@ -166,7 +166,7 @@ class JaxTrainingRun:
     def _plan(self, state, data):
         """The count for the batch about to run (the function's `plan`)."""
         samples = self.session.read()  # resets the peak
-        self._before = _in_use(samples)
+        self._before = shared.in_use_bytes(samples)
         key = self._key = shape_key(data)
         k = self.planned.get(key)
         if k is not None:
@@ -340,19 +340,13 @@ class JaxInferenceRun:
     def begin(self):
         """Installs the sliced function in place of Keras' own."""
         check_supported(self.model)
-        if self.kind == "evaluate":
-            self._previous = self.model.test_function
-            functions.set_test_function(self.model, self.function)
-        else:
-            self._previous = self.model.predict_function
-            functions.set_predict_function(self.model, self.function)
+        self._previous = shared.install_inference_function(
+            self.model, self.kind, self.function
+        )
 
     def end(self):
         """Puts Keras' own function back."""
-        if self.kind == "evaluate":
-            functions.set_test_function(self.model, self._previous)
-        else:
-            functions.set_predict_function(self.model, self._previous)
+        shared.restore_inference_function(self.model, self.kind, self._previous)
 
     def after_batch(self):
         """Nothing after a batch: the plan is per shape, made before it."""
@@ -369,7 +363,7 @@ class JaxInferenceRun:
             batch_size,
             self.limit_bytes,
             self.session.config,
-            _in_use(samples),
+            shared.in_use_bytes(samples),
             0,
             1,
         )
@@ -423,8 +417,3 @@ def _plan_from_analysis(memory_of, batch_size, limit_bytes, config, in_use_bytes
         )
     except _NoAnalysis:
         return None
-
-
-def _in_use(samples):
-    in_use = [s.current_bytes for s in samples if s.current_bytes is not None]
-    return float(max(in_use)) if in_use else None

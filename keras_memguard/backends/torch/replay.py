@@ -44,6 +44,7 @@ from keras_memguard.backends.torch.step import batch_size_of
 from keras_memguard.backends.torch.step import run_step
 from keras_memguard.backends.torch.step import validate_mode
 from keras_memguard.backends import shared
+from keras_memguard.backends.shared import double_micro_batches
 from keras_memguard.decider import validate_micro_batches
 
 # What torch's CPU allocator says when `malloc` fails (an `[enforce fail at
@@ -144,21 +145,6 @@ class StepOutOfMemory(NamedTuple):
     allocation_bytes: Optional[int]
     memory: Optional[Any] = None
     analyse: Optional[Callable[[int], Any]] = None
-
-
-def double_micro_batches(failure):
-    """The default handler: `keras_memguard.backends.shared.replay_count`.
-
-    Args:
-        failure: A `StepOutOfMemory`.
-
-    Returns:
-        The count to replay with (about twice the one that failed).
-
-    Raises:
-        MicroBatchTooLargeError: If one sample per micro-batch failed.
-    """
-    return shared.replay_count(failure)
 
 
 def _state_variables(model):
@@ -359,15 +345,7 @@ class ReplayingTrainFunction:
                 self.failures.append(failure)
                 larger = self.on_out_of_memory(failure)
                 failure = None
-                if (
-                    isinstance(larger, bool)
-                    or not isinstance(larger, int)
-                    or min(larger, batch_size) <= k
-                ):
-                    raise ValueError(
-                        "`on_out_of_memory` must return a micro-batch count "
-                        f"larger than the one that failed ({k}), for a batch "
-                        f"of {batch_size}. Received: {larger!r}"
-                    ) from error
-                self.micro_batches = larger
+                self.micro_batches = shared.checked_larger_count(
+                    larger, k, batch_size, error
+                )
                 self.replays += 1

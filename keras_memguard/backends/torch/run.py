@@ -28,7 +28,7 @@ import torch
 from keras import tree
 
 from keras_memguard import decider
-from keras_memguard import step_functions
+from keras_memguard.backends import shared
 from keras_memguard.backends.torch.inference import SlicedPredictFunction
 from keras_memguard.backends.torch.inference import SlicedTestFunction
 from keras_memguard.backends.torch.inference import more_slices
@@ -124,11 +124,6 @@ def describe_setup(model, data, devices, limits, mode):
     }
 
 
-def _in_use(samples):
-    in_use = [s.current_bytes for s in samples if s.current_bytes is not None]
-    return float(max(in_use)) if in_use else None
-
-
 def _peak(samples):
     peaks = [s.peak_bytes for s in samples if s.peak_bytes is not None]
     return float(max(peaks)) if peaks else None
@@ -215,7 +210,7 @@ class TorchTrainingRun:
         if not session.started:
             self._start(data)
         # Reading resets the peak: the batch's own peak is read after it.
-        self._before = _in_use(session.read())
+        self._before = shared.in_use_bytes(session.read())
         batch_size = self._batch_size = batch_size_of(data) or 1
         self._sample_size = sample_size_of(data)
         if not session.options.plan:
@@ -226,7 +221,7 @@ class TorchTrainingRun:
         """The count to replay a batch with, from the decider, or raises."""
         session = self.session
         controller = session.controller
-        in_use = _in_use(session.read())
+        in_use = shared.in_use_bytes(session.read())
         self._before = decider.in_use_beside_replay(self._before, in_use)
         decided = controller.fail(
             decider.Failure(
@@ -328,19 +323,13 @@ class TorchInferenceRun:
 
     def begin(self):
         """Installs the sliced function in place of Keras' own."""
-        if self.kind == "evaluate":
-            self._previous = self.model.test_function
-            step_functions.set_test_function(self.model, self.function)
-        else:
-            self._previous = self.model.predict_function
-            step_functions.set_predict_function(self.model, self.function)
+        self._previous = shared.install_inference_function(
+            self.model, self.kind, self.function
+        )
 
     def end(self):
         """Puts Keras' own function back."""
-        if self.kind == "evaluate":
-            step_functions.set_test_function(self.model, self._previous)
-        else:
-            step_functions.set_predict_function(self.model, self._previous)
+        shared.restore_inference_function(self.model, self.kind, self._previous)
 
     def after_batch(self):
         """Nothing after a batch: the count changes only after an error."""
