@@ -87,6 +87,20 @@ def test_a_decoder_compiled_as_on_a_gpu_is_split_no_more_than_its_free_blocks_ne
     assert len(set(result["ks"])) == 1, result
 
 
+def test_an_xla_step_given_a_whole_free_block_keeps_its_count():
+    # As on a GPU. The step's program (152.6 MiB with what is in use, 80%
+    # of the cap) is one buffer over half the free memory: the allocator
+    # hands it the whole block, and the batch peaks near the cap, as plain
+    # `fit`'s do here (188.5 MiB, every batch trained). Counted as memory
+    # taken beside the step, that remainder made the guard stop `fit`
+    # after one batch with MicroBatchTooLargeError.
+    result = _run(190, "xla_mlp", as_gpu=True)
+    _trained_every_batch(result)
+    assert result["jit_compile"] is True, result
+    assert result["oom_recoveries"] == 0, result
+    assert result["ks"] == [1, 1, 1, 1], result
+
+
 def test_an_xla_evaluate_that_runs_out_of_memory_stops_with_a_clear_error():
     result = _run(150, "xla_evaluate")
     assert result["error"].startswith("CompiledStepOutOfMemoryError: An XLA-compiled step of `evaluate`"), result

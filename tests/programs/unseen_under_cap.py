@@ -12,6 +12,11 @@ Keras 3 compiles it on a GPU) on numpy images, `fit(batch_size=128)` under
 `MemoryGuard`: one out-of-memory error inside an XLA program can abort the
 process, so none may happen.
 
+`xla_mlp`: an MLP compiled with `jit_compile=True` whose step is one
+buffer over half the free memory: the allocator hands it the whole free
+block, and the step's peak reads that block's remainder beyond its
+program on every batch, as plain `fit`'s does.
+
 `xla_evaluate`: an XLA-compiled MLP's `evaluate(batch_size=8192)` (a
 hidden layer of 4096 units: 128 MiB of activations) under a guard that
 does not plan (`plan=False`), so the cap is hit inside the XLA program: it must end with `CompiledStepOutOfMemoryError`, not a replay
@@ -96,6 +101,26 @@ def xla_cnn():
     return model, x, y, 128
 
 
+def xla_mlp():
+    """The XLA MLP of the module docstring, seeded and compiled."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((1024,)),
+        keras.layers.Dense(2048, activation="relu"),
+        keras.layers.Dense(2048, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=True,
+    )
+    rng = np.random.default_rng(0)
+    x = rng.random((4096, 1024), dtype="float32")
+    y = rng.integers(0, 10, 4096)
+    return model, x, y, 1024
+
+
 def evaluate_beyond_the_cap():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
@@ -126,6 +151,8 @@ def main():
     messages = collect_package_messages()
     if name == "decoder":
         model, x, y, batch = decoder([SampleCount()] if "metric" in options else None)
+    elif name == "xla_mlp":
+        model, x, y, batch = xla_mlp()
     else:
         model, x, y, batch = xla_cnn()
     ks = MicroBatchCounts()

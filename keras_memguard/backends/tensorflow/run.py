@@ -74,10 +74,13 @@ class TfTrainingRun:
         self._agreed_in_use = None
         self._last_batch = -1
         # An XLA step is planned from its compiled program: the plan per
-        # batch shapes, and how far measured peaks went past the analysis.
+        # batch shapes with the bytes the allocator rounds its largest
+        # buffer up by (`xla_memory.allocates`), and how far measured peaks
+        # went past both.
         self.xla = False
         self._compiled_plans = {}
         self._compiled_plan = None
+        self._block_rounding = 0
         self._xla_margin = 0
 
     def begin(self):
@@ -255,7 +258,7 @@ class TfTrainingRun:
         limit = controller.limit_bytes
         target = session.config.threshold * limit
         shapes = _shapes_of(data)
-        planned = self._compiled_plans.get(shapes)
+        planned, rounding = self._compiled_plans.get(shapes, (None, 0))
         in_use = before or 0
         if planned is not None and (
             in_use + planned.memory.demand_bytes + self._xla_margin >= target
@@ -276,21 +279,21 @@ class TfTrainingRun:
 
             if analyse(k) is None:
                 return k
-            planned = self._search_compiled(analyse, k, batch_size, before)
-            self._compiled_plans[shapes] = planned
+            planned, rounding = self._search_compiled(analyse, k, batch_size, before)
+            self._compiled_plans[shapes] = (planned, rounding)
             if planned.micro_batches != self.function.micro_batches:
                 messages.log_plan(planned, batch_size)
             # The probes' blocks (a failed one reaches the limit) are not
             # the step's: its peak, and what it takes beyond the analysis,
             # are read from here.
             session.read()
-        self._compiled_plan = planned
+        self._compiled_plan, self._block_rounding = planned, rounding
         if controller.state.micro_batches != planned.micro_batches:
             controller.set_micro_batches(planned.micro_batches)
         return planned.micro_batches
 
     def _search_compiled(self, analyse, k, batch_size, before):
-        """The smallest count whose program fits and whose blocks are free now.
+        """`(plan, rounding)`: the smallest count whose program fits and whose blocks are free now.
 
         XLA allocates the step's buffers in large pieces: a count can fit
         in total and still find no free block for its largest buffer (the
@@ -301,12 +304,17 @@ class TfTrainingRun:
         saves more than an eighth of the micro-batches (each count read is
         one compile, once per batch shapes). Where no count fits, `"auto"`
         stops accumulating and the search starts again; otherwise
-        `MicroBatchTooLargeError` is raised.
+        `MicroBatchTooLargeError` is raised. `rounding` is what the
+        allocator counted beyond the found count's largest buffer.
         """
         session = self.session
+
+        def in_use():
+            return self._in_use(session.read())
+
         start = 1 if session.options.plan else k
         # The largest count that failed the probe, the smallest that passed.
-        lowest, failed, found = start, None, None
+        lowest, failed, found, rounding = start, None, None, 0
         while True:
             planned = plan_micro_batches(
                 analyse,
@@ -319,18 +327,19 @@ class TfTrainingRun:
                 max_micro_batches=session.config.max_micro_batches,
             )
             if planned.fits and (found is None or planned.micro_batches < found.micro_batches):
-                if xla_memory.allocates(planned.memory):
-                    found = planned
+                beyond = xla_memory.allocates(planned.memory, in_use)
+                if beyond is not None:
+                    found, rounding = planned, beyond
                 else:
                     failed = max(failed or 0, planned.micro_batches)
             elif found is not None:
-                return found  # nothing between fits
+                return found, rounding  # nothing between fits
             if found is not None:
                 if failed is None:
-                    return found
+                    return found, rounding
                 gap = found.micro_batches - failed
                 if gap <= max(1, found.micro_batches // 8):
-                    return found
+                    return found, rounding
                 lowest = failed + gap // 2
                 continue
             if planned.fits and planned.micro_batches < batch_size:
@@ -385,9 +394,14 @@ class TfTrainingRun:
                 )
             )
             if self.xla and self._compiled_plan is not None:
-                # What the step took beyond its analysis (memory taken
-                # beside it while it ran) is kept free in later plans.
-                excess = excess_bytes(self._compiled_plan.memory, self._before, peak)
+                # What the step took beyond its analysis and the
+                # allocator's rounding (memory taken beside it while it
+                # ran) is kept free in later plans.
+                excess = excess_bytes(
+                    self._compiled_plan.memory,
+                    self._before,
+                    None if peak is None else peak - self._block_rounding,
+                )
                 self._xla_margin = max(self._xla_margin, excess or 0)
             elif decided.changed:
                 messages.log_decision(decided, self._micro_batch_text(decided.micro_batches))

@@ -102,31 +102,47 @@ def fits_in_free_block(memory, free_bytes):
     return 2 * largest <= free_bytes or free_bytes - largest >= BFC_SPLIT_REMAINDER_BYTES
 
 
-def allocates(memory):
-    """Tells whether the device can hold a compiled step's buffers right now.
+def allocates(memory, in_use=None):
+    """Tries a compiled step's buffers on the device before the step runs.
 
     XLA allocates a step's temporaries in one piece: a step can fail with
     memory to spare when no free block is that large (the allocator is
     fragmented). Allocating blocks of the step's sizes (its largest buffer,
     and the rest in one), without writing them, and freeing them again
     answers that before the step runs; an out-of-memory error outside an
-    XLA program is an ordinary, recoverable error.
+    XLA program is an ordinary, recoverable error. The memory in use
+    before and after the largest buffer also tells what the allocator
+    handed it: a whole free block where the block was not large enough to
+    cut (`BFC_SPLIT_REMAINDER_BYTES`). The step's peak then reads that
+    block's remainder beyond its program, on every batch, as plain `fit`'s
+    would: it is the allocator's rounding, not memory taken beside the
+    step.
 
     Args:
         memory: The step's `StepMemory`.
+        in_use: A function returning the bytes in use on the device, or
+            `None` when the device keeps no count. Defaults to `None`.
 
     Returns:
-        `False` when the allocations ran out of memory, else `True`.
+        `None` when the allocations ran out of memory; else the bytes the
+        allocator counted beyond the largest buffer's size (`0` without
+        `in_use`).
     """
     largest = memory.largest_allocation_bytes
     sizes = [largest, max(0, memory.demand_bytes - largest)]
     held = []
+    beyond = 0
     try:
-        for size in sizes:
+        before = in_use() if in_use else None
+        for index, size in enumerate(sizes):
             if size:
                 held.append(tf.raw_ops.Empty(shape=[size], dtype=tf.uint8, init=False))
+                if index == 0 and before is not None:
+                    after = in_use()
+                    if after is not None:
+                        beyond = max(0, int(after - before - size))
     except tf.errors.ResourceExhaustedError:
-        return False
+        return None
     finally:
         del held
-    return True
+    return beyond
