@@ -183,6 +183,15 @@ def test_real_limit_helpers_never_raise():
         assert value is None or (isinstance(value, int) and value > 0)
 
 
+def _status_kib(key):
+    """A `/proc/self/status` field in KiB, read directly."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not ON_LINUX, reason="Reads /proc/self/status.")
 def test_a_forked_child_reads_and_resets_its_own_memory(freed_peaks_in_vmhwm):
@@ -199,12 +208,20 @@ def test_a_forked_child_reads_and_resets_its_own_memory(freed_peaks_in_vmhwm):
             held = bytearray(64 * MIB)
             held[:: 4096] = b"x" * len(held[:: 4096])  # touch every page
             del held
+            kernel = _status_kib("VmHWM") - _status_kib("VmRSS")  # read without resetting
             (sample,) = probe.sample()
-            code = 0 if own and sample.peak_bytes - sample.current_bytes >= 48 * MIB else 2
+            if own and sample.peak_bytes - sample.current_bytes >= 48 * MIB:
+                code = 0
+            else:
+                # 3: the kernel's own VmHWM missed the block (as the fixture
+                # checks in the parent), so no probe could see it.
+                code = 2 if not own or kernel * 1024 >= 48 * MIB else 3
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     (parent,) = probe.sample()
+    if os.waitstatus_to_exitcode(status) == 3:
+        pytest.skip("The kernel's VmHWM did not keep a 64 MiB block made and freed in the child.")
     assert os.waitstatus_to_exitcode(status) == 0
     assert parent.peak_bytes - parent.current_bytes < 48 * MIB
 
