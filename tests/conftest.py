@@ -57,35 +57,7 @@ FLOOR_SLOW_FILES = frozenset(
 )
 
 
-# Files whose module-scoped fixtures run a fit, a capped child or a server.
-# Under `pytest -n 2 --dist loadgroup` (the README's test command) each goes
-# to one worker whole, so its fixtures run once rather than once a worker.
-ONE_WORKER_FILES = frozenset(
-    (
-        "test_advise.py",
-        "test_dashboard.py",
-        "test_faults.py",
-        "test_guard.py",
-        "test_host_memory.py",
-        "test_jax_planning.py",
-        "test_jax_step.py",
-        "test_mirrored.py",
-        "test_monitor.py",
-        "test_own_train_step.py",
-        "test_profile_spikes.py",
-        "test_report.py",
-        "test_torch_guard.py",
-        "test_torch_step.py",
-    )
-)
-
-
-# Before xdist's own hook, which reads the group markers to place each test.
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.name in ONE_WORKER_FILES:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     if os.environ.get("MEMGUARD_TEST_SUBSET") != "floor":
         return
     kept, left_out = [], []
