@@ -57,20 +57,7 @@ FLOOR_SLOW_FILES = frozenset(
 )
 
 
-# The files with the longest single tests (each a capped child of one to
-# four minutes) run first: on two workers (`pytest -n 2`) a long test
-# started last leaves the other worker idle until it ends.
-LONGEST_FIRST_FILES = ("test_unseen_models.py", "test_user_models.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(
-        key=lambda item: (
-            LONGEST_FIRST_FILES.index(item.path.name)
-            if item.path.name in LONGEST_FIRST_FILES
-            else len(LONGEST_FIRST_FILES)
-        )
-    )
     if os.environ.get("MEMGUARD_TEST_SUBSET") != "floor":
         return
     kept, left_out = [], []
