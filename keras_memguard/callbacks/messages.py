@@ -209,6 +209,11 @@ def mib_text(value):
 _mib = mib_text
 
 
+def _room_text(value):
+    # `mib_text` reads 0 as not measured; here it is measured room.
+    return _mib(value) if value > 0 else "nothing"
+
+
 # `too_large`'s `remat_refusal` where no rung exists (evaluation,
 # prediction, the JAX backend).
 NO_RUNGS = object()
@@ -242,7 +247,7 @@ def too_large(
                 f"{_mib(in_use)} was in use before the batch (weights, optimizer "
                 f"state, inputs) and the accumulators take {_mib(accumulators)} "
                 f"more (one per trainable weight), which leaves "
-                f"{_mib(max(limit - in_use - accumulators, 0))} of the "
+                f"{_room_text(limit - in_use - accumulators)} of the "
                 f"{_mib(limit)} limit for a micro-batch's activations and "
                 f"gradients; the batch of {_samples(batch_size)} ran out of "
                 f"memory even at {micro_batches_text(micro_batches)}. A single "

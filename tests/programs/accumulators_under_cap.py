@@ -1,13 +1,20 @@
-"""A model whose weights leave no room for gradient accumulators, under a real cap.
+"""Models whose weights leave little room for gradient accumulators, under a real cap.
 
-A wide MLP (two 2048x2048 `Dense` layers: 32 MiB of weights, 64 MiB of
-Adam slots) on numpy inputs, `fit(batch_size=16)` under `MemoryGuard`.
-Plain training at that batch holds one copy of the gradients beside them;
-accumulating holds a second (the accumulators), which this cap does not
-leave room for at any micro-batch count. Arguments: the guard's `mode`,
-and `xla` to compile the step with XLA. Reports through `emit_result`: the
-error raised, if any, the batches that ended, the recoveries and the
-package's log lines.
+Two MLPs with 32 MiB of weights and 64 MiB of Adam slots, on numpy inputs,
+under `MemoryGuard`:
+
+- `wide`: two 2048x2048 `Dense` layers, `fit(batch_size=16)` on 64
+  samples. Each layer's gradient is half the weights, and Adam's update of
+  one takes as much again, so accumulating peaks within a few MiB of plain
+  training: whether it fits a tight cap depends on the order the ops ran.
+- `deep`: eight 1024x1024 `Dense` layers, `fit(batch_size=128)` on 256
+  samples. A layer's gradient is an eighth of the weights: plain training
+  holds little beside the weights and slots, while the accumulators take a
+  whole copy of the weights, which the test's cap leaves no room for.
+
+Arguments: the guard's `mode`, the model (`wide` or `deep`), and `xla` to
+compile the step with XLA. Reports through `emit_result`: the error raised,
+if any, the batches that ended, the recoveries and the package's log lines.
 """
 
 import sys
@@ -20,14 +27,17 @@ from keras_memguard.testing import emit_result
 from programs.common import collect_package_messages
 
 
-def wide_mlp(jit_compile=False):
+# model: (width, hidden layers, batch size, samples)
+SHAPES = {"wide": (2048, 2, 16, 64), "deep": (1024, 8, 128, 256)}
+
+
+def mlp(width, depth, jit_compile=False):
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((2048,)),
-        keras.layers.Dense(2048, activation="relu"),
-        keras.layers.Dense(2048, activation="relu"),
-        keras.layers.Dense(10),
-    ])
+    model = keras.Sequential(
+        [keras.Input((width,))]
+        + [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+        + [keras.layers.Dense(10)]
+    )
     model.compile(
         "adam",
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -37,18 +47,19 @@ def wide_mlp(jit_compile=False):
 
 
 def main():
-    mode = sys.argv[1]
+    mode, shape = sys.argv[1], sys.argv[2]
+    width, depth, batch_size, samples = SHAPES[shape]
     messages = collect_package_messages()
     rng = np.random.default_rng(0)
-    x = rng.random((64, 2048), dtype="float32")
-    y = rng.integers(0, 10, 64)
-    model = wide_mlp(jit_compile=sys.argv[2:] == ["xla"])
+    x = rng.random((samples, width), dtype="float32")
+    y = rng.integers(0, 10, samples)
+    model = mlp(width, depth, jit_compile=sys.argv[3:] == ["xla"])
     guard = keras_memguard.MemoryGuard(mode=mode, plan_cache=False)
     error = None
     batches = []
     ends = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batches.append(b))
     try:
-        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[guard, ends])
+        model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0, callbacks=[guard, ends])
     except Exception as raised:  # noqa: BLE001 - reported to the test.
         error = f"{type(raised).__name__}: {raised}"
     emit_result({
