@@ -19,9 +19,10 @@ It stops when the next step would add less than `tolerance`, when a
 trial peaked above the target (it still counts: it ran), or once a larger
 trial near the top peaked no higher than the one before (a block the
 allocator rounded up then sets the peak, and the batch that outgrows it
-jumps past what any line through the peaks can see). A trial that ran out
-of memory above one that fit is followed by the batch halfway between
-them, until that gains less than `tolerance`. It answers from the largest
+jumps past what any line through the peaks can see). Once a trial has
+run out of memory, the search bisects between the largest batch that ran
+and the smallest that did not, until the middle gains less than
+`tolerance`: no line is drawn through peaks read after an error. It answers from the largest
 batch that ran, never one it only predicted. The decider's memory model,
 fitted to the trials, answers how many micro-batches a requested batch
 needs, never fewer than a micro-batch no larger than a batch that ran.
@@ -276,6 +277,7 @@ def find_batch_size(
     trials = []
     errors = 0
     best = None  # (batch_size, peak, predicted)
+    failed = None  # The smallest batch that ran out of memory.
     try:
         size = int(min(FIRST_TRIAL, upper))
         predicted = None
@@ -312,6 +314,7 @@ def find_batch_size(
                     decider.Failure(size, 1, sample_size, in_use, limit),
                 )
                 upper = size - 1
+                failed = size
                 if best is not None:
                     # The edge is between the best batch and this one: the
                     # middle next, while that gains more than `tolerance`
@@ -333,6 +336,17 @@ def find_batch_size(
                     # It ran, but the allocator rounded it up past the
                     # prediction: a larger step would be a guess.
                     break
+                if failed is not None and not compiled:
+                    # An error bounds the top: halve the gap to it while that
+                    # gains more than `tolerance`. A trial after an error can
+                    # peak far above the line through the trials before it
+                    # (bench/RESULTS.md), so a line through the peaks would
+                    # stop short of the edge.
+                    middle = (size + failed) // 2
+                    if middle <= size * (1.0 + tolerance):
+                        break
+                    size, predicted = middle, None
+                    continue
             if compiled and best is not None and len(trials) == 1:
                 # XLA assigns the step's buffers before it runs: the search
                 # reads them instead of running steps, and one step at the
