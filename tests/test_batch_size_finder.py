@@ -208,6 +208,20 @@ def test_on_xla_the_answer_leaves_the_largest_buffer_a_block_of_its_own():
 
 
 @pytest.mark.slow
+def test_a_trial_after_an_error_that_left_a_temporary_behind_ends_the_search():
+    # A small Transformer under 400 MiB: when a trial ran out of memory
+    # inside an `AddN` the graph optimizer had turned into a temporary
+    # variable, the next trial raised TensorFlow's AlreadyExistsError for
+    # that temporary and the search ended with it. It now counts as a
+    # failed trial. The error comes in some runs only (2 of 6 here, see
+    # bench/RESULTS.md); without it the search ends as usual.
+    found = _in_a_fresh_process("find", "attention", "off", cap_mib=400)
+    assert found["errors"] <= 2, found
+    assert found["answer"] >= 32, found
+    assert _in_a_fresh_process("fit", "attention", "off", found["answer"], cap_mib=400)["trained"], found
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dataset", "py_dataset"])
 def test_the_answer_for_a_pipeline_trains_in_plain_fit(kind):
     found = _in_a_fresh_process("find", kind, "off")

@@ -11,7 +11,8 @@ benchmarks with 1024 samples, under the test's cap, with the allocator and
 
 INPUT: `numpy`, `dataset` (a batched `tf.data.Dataset`) or `py_dataset`
 (a `keras.utils.PyDataset`), or `decoder`: the decoder language model of
-`programs.unseen_under_cap` on its numpy token ids instead of the CNN;
+`programs.unseen_under_cap` on its numpy token ids instead of the CNN, or
+`attention`: a one-block Transformer classifier on numpy sequences;
 JIT: `auto` or `off`. Run by
 tests/test_batch_size_finder.py; reports through `emit_result`.
 """
@@ -56,11 +57,32 @@ def data(kind, batch_size):
     return Batches(x, y, batch_size), None
 
 
+def attention(samples):
+    """A one-block Transformer classifier (`bench/bench_batch_size.py`'s) and `samples` sequences."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((256,), dtype="int32")
+    hidden = keras.layers.Embedding(2000, 64)(tokens)
+    attended = keras.layers.MultiHeadAttention(num_heads=4, key_dim=16)(hidden, hidden)
+    hidden = keras.layers.LayerNormalization()(hidden + attended)
+    feed = keras.layers.Dense(128, activation="relu")(hidden)
+    hidden = keras.layers.LayerNormalization()(hidden + keras.layers.Dense(64)(feed))
+    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(hidden))
+    model = keras.Model(tokens, outputs)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 2000, (samples, 256)).astype("int32")
+    return model, x, rng.integers(0, 2, samples)
+
+
 def main(action, kind, jit, batch_size=32):
     if kind == "decoder":
         from programs.unseen_under_cap import decoder
 
         model, x, y, _ = decoder()
+    elif kind == "attention":
+        # 64 sequences to search on (trials repeat them), two full batches
+        # to train on.
+        model, x, y = attention(64 if action == "find" else 2 * int(batch_size))
     else:
         model = design_cnn()
         x, y = data(kind, int(batch_size))

@@ -144,10 +144,24 @@ def run_trial(model, probe, source, size):
             function(iterator)
     except tf.errors.ResourceExhaustedError:
         return in_use, input_bytes, None, time.perf_counter() - start
+    except tf.errors.AlreadyExistsError as error:
+        if not _left_by_a_failed_step(error):
+            raise
+        # An earlier trial ran out of memory inside an `AddN` that the graph
+        # optimizer turned into a temporary variable; the temporary outlived
+        # that step, and this step, with the same node names, cannot create
+        # it. The trial did not run: it counts as failed, which bounds the
+        # search from above (`fit` itself ran in the same process after it).
+        return in_use, input_bytes, None, time.perf_counter() - start
     finally:
         del iterator
     seconds = time.perf_counter() - start
     return in_use, input_bytes, _largest(probe.sample(), "peak_bytes"), seconds
+
+
+def _left_by_a_failed_step(error):
+    """Whether `error` is a temporary variable an earlier failed step left."""
+    return "TemporaryVariable" in str(error) or "/tmp_var" in str(error)
 
 
 def largest_compiled(model, source, room, ran, upper):
