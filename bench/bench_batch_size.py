@@ -58,16 +58,10 @@ def build(name):
         x = rng.random((samples, 64, 64, 3), dtype=np.float32)
         y = rng.integers(0, 10, samples)
     elif name == "transformer":
-        tokens = keras.Input((256,), dtype="int32")
-        hidden = keras.layers.Embedding(2000, 64)(tokens)
-        attended = keras.layers.MultiHeadAttention(num_heads=4, key_dim=16)(hidden, hidden)
-        hidden = keras.layers.LayerNormalization()(hidden + attended)
-        feed = keras.layers.Dense(128, activation="relu")(hidden)
-        hidden = keras.layers.LayerNormalization()(hidden + keras.layers.Dense(64)(feed))
-        outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(hidden))
-        model = keras.Model(tokens, outputs)
-        x = rng.integers(0, 2000, (samples, 256)).astype("int32")
-        y = rng.integers(0, 2, samples)
+        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+        from programs.common import attention_classifier
+
+        model, x, y = attention_classifier(samples)
     else:
         model = keras.applications.MobileNetV2(
             weights=None, input_shape=(64, 64, 3), classes=10

@@ -75,6 +75,27 @@ class MicroBatchCounts(keras.callbacks.Callback):
             self.usages.append(float(logs["memory_usage"]))
 
 
+def attention_classifier(samples):
+    """A one-block Transformer classifier (not compiled) and `samples` sequences.
+
+    Token and attention layers over 256 tokens of a 2000-word vocabulary,
+    two classes; `(model, x, y)` with numpy token ids, seeded.
+    """
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((256,), dtype="int32")
+    hidden = keras.layers.Embedding(2000, 64)(tokens)
+    attended = keras.layers.MultiHeadAttention(num_heads=4, key_dim=16)(hidden, hidden)
+    hidden = keras.layers.LayerNormalization()(hidden + attended)
+    feed = keras.layers.Dense(128, activation="relu")(hidden)
+    hidden = keras.layers.LayerNormalization()(hidden + keras.layers.Dense(64)(feed))
+    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(hidden))
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 2000, (samples, 256)).astype("int32")
+    return keras.Model(tokens, outputs), x, rng.integers(0, 2, samples)
+
+
 def collect_package_messages():
     """Returns a list that receives every keras_memguard log message (INFO up)."""
     messages = []

@@ -25,7 +25,7 @@ import tensorflow as tf
 
 import keras_memguard
 from keras_memguard.testing import emit_result
-from programs.common import design_cnn
+from programs.common import attention_classifier, design_cnn
 
 SAMPLES = 1024
 
@@ -57,23 +57,6 @@ def data(kind, batch_size):
     return Batches(x, y, batch_size), None
 
 
-def attention(samples):
-    """A one-block Transformer classifier (`bench/bench_batch_size.py`'s) and `samples` sequences."""
-    keras.utils.set_random_seed(0)
-    tokens = keras.Input((256,), dtype="int32")
-    hidden = keras.layers.Embedding(2000, 64)(tokens)
-    attended = keras.layers.MultiHeadAttention(num_heads=4, key_dim=16)(hidden, hidden)
-    hidden = keras.layers.LayerNormalization()(hidden + attended)
-    feed = keras.layers.Dense(128, activation="relu")(hidden)
-    hidden = keras.layers.LayerNormalization()(hidden + keras.layers.Dense(64)(feed))
-    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(hidden))
-    model = keras.Model(tokens, outputs)
-    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 2000, (samples, 256)).astype("int32")
-    return model, x, rng.integers(0, 2, samples)
-
-
 def main(action, kind, jit, batch_size=32):
     if kind == "decoder":
         from programs.unseen_under_cap import decoder
@@ -82,7 +65,8 @@ def main(action, kind, jit, batch_size=32):
     elif kind == "attention":
         # 64 sequences to search on (trials repeat them), two full batches
         # to train on.
-        model, x, y = attention(64 if action == "find" else 2 * int(batch_size))
+        model, x, y = attention_classifier(64 if action == "find" else 2 * int(batch_size))
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     else:
         model = design_cnn()
         x, y = data(kind, int(batch_size))
