@@ -22,8 +22,8 @@ allocator rounded up then sets the peak, and the batch that outgrows it
 jumps past what any line through the peaks can see). Once a trial has
 run out of memory, the search bisects between the largest batch that ran
 and the smallest that did not, until the middle gains less than
-`tolerance`: no line is drawn through peaks read after an error. It answers from the largest
-batch that ran, never one it only predicted. The decider's memory model,
+`tolerance`: no line is drawn through peaks read after an error. It
+answers from the largest batch that ran, never one it only predicted. The decider's memory model,
 fitted to the trials, answers how many micro-batches a requested batch
 needs, never fewer than a micro-batch no larger than a batch that ran.
 
@@ -315,15 +315,6 @@ def find_batch_size(
                 )
                 upper = size - 1
                 failed = size
-                if best is not None:
-                    # The edge is between the best batch and this one: the
-                    # middle next, while that gains more than `tolerance`
-                    # (a line through the trials can overshoot the edge).
-                    middle = (best[0] + size) // 2
-                    if compiled or middle <= best[0] * (1.0 + tolerance):
-                        break
-                    size, predicted = middle, None
-                    continue
             else:
                 _, state = decider.observe(
                     config,
@@ -336,17 +327,18 @@ def find_batch_size(
                     # It ran, but the allocator rounded it up past the
                     # prediction: a larger step would be a guess.
                     break
-                if failed is not None and not compiled:
-                    # An error bounds the top: halve the gap to it while that
-                    # gains more than `tolerance`. A trial after an error can
-                    # peak far above the line through the trials before it
-                    # (bench/RESULTS.md), so a line through the peaks would
-                    # stop short of the edge.
-                    middle = (size + failed) // 2
-                    if middle <= size * (1.0 + tolerance):
-                        break
-                    size, predicted = middle, None
-                    continue
+            if failed is not None and best is not None:
+                # The edge is between the largest batch that ran and the
+                # smallest that did not: the middle next, while that gains
+                # more than `tolerance`. No line through the peaks: one can
+                # overshoot the edge, and a trial after an error can peak far
+                # above the line through the trials before it
+                # (bench/RESULTS.md), so a line would also stop short of it.
+                middle = (best[0] + failed) // 2
+                if compiled or middle <= best[0] * (1.0 + tolerance):
+                    break
+                size, predicted = middle, None
+                continue
             if compiled and best is not None and len(trials) == 1:
                 # XLA assigns the step's buffers before it runs: the search
                 # reads them instead of running steps, and one step at the
