@@ -282,7 +282,17 @@ def find_batch_size(
         size = int(min(FIRST_TRIAL, upper))
         predicted = None
         while len(trials) < max_trials:
-            in_use, input_bytes, peak, seconds = backend.run_trial(model, probe, source, size)
+            try:
+                in_use, input_bytes, peak, seconds = backend.run_trial(
+                    model, probe, source, size
+                )
+            except backends.TrialsCannotGoOn as stopped:
+                logger.warning(
+                    "find_batch_size: stopped after %d trials, before batch %d: "
+                    "%s. The answer comes from the trials that ran.",
+                    len(trials), size, stopped,
+                )
+                break
             if baseline is None:
                 baseline, fit_input_bytes = in_use, input_bytes
             elif peak is not None and backend.PEAK_FROM_IN_USE:

@@ -41,7 +41,9 @@ A backend's `protocol` module provides:
   `gradient_bytes(model)`, `is_dataset(x)`, `dataset_batches(dataset)`,
   `rebatched(dataset, size)`, `as_array(value)`,
   `uses_compiled_step(model)`, and for trials `run_trial(model, probe,
-  source, size)` and `largest_compiled(model, source, room, ran, upper)`,
+  source, size)` (which raises `TrialsCannotGoOn` where no further trial
+  can run in this process) and `largest_compiled(model, source, room,
+  ran, upper)`,
   for a compiled search `step_analyser(model, first)`.
 - `advice()`: the backend's `advice` module, what `advise`'s measuring
   child asks of it: `NAME`, `UNAVAILABLE` (`{variant: reason}` for the
@@ -78,6 +80,14 @@ _REGISTERED = {
 }
 
 _loaded = {}
+
+
+class TrialsCannotGoOn(Exception):
+    """No further `find_batch_size` trial can run in this process.
+
+    Raised by a backend's `run_trial`; the search answers from the trials
+    that ran.
+    """
 
 
 def names():

@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from keras_memguard.backends import TrialsCannotGoOn
 from keras_memguard.backends import compat
 from keras_memguard.backends.tensorflow import region
 from keras_memguard.backends.tensorflow import xla_memory
@@ -149,10 +150,13 @@ def run_trial(model, probe, source, size):
             raise
         # An earlier trial ran out of memory inside an `AddN` that the graph
         # optimizer turned into a temporary variable; the temporary outlived
-        # that step, and this step, with the same node names, cannot create
-        # it. The trial did not run: it counts as failed, which bounds the
-        # search from above (`fit` itself ran in the same process after it).
-        return in_use, input_bytes, None, time.perf_counter() - start
+        # that step, and every later step with the same node names fails to
+        # create it, whatever its batch (`fit` ran in the same process after
+        # the search: its smaller steps may not hold that temporary).
+        raise TrialsCannotGoOn(
+            "TensorFlow cannot create a temporary variable that a step which "
+            "ran out of memory left behind (AlreadyExistsError)"
+        ) from None
     finally:
         del iterator
     seconds = time.perf_counter() - start
