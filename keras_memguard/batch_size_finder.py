@@ -22,10 +22,13 @@ allocator rounded up then sets the peak, and the batch that outgrows it
 jumps past what any line through the peaks can see). Once a trial has
 run out of memory, the search bisects between the largest batch that ran
 and the smallest that did not, until the middle gains less than
-`tolerance`: no line is drawn through peaks read after an error. It
-answers from the largest batch that ran, never one it only predicted. The decider's memory model,
-fitted to the trials, answers how many micro-batches a requested batch
-needs, never fewer than a micro-batch no larger than a batch that ran.
+`tolerance`: no line is drawn through peaks read after an error. Where
+the backend says no further trial can run in this process (on TensorFlow,
+a temporary a failed step left behind), the search stops there. It
+answers from the largest batch that ran, never one it only predicted. The
+decider's memory model, fitted to the trials, answers how many
+micro-batches a requested batch needs, never fewer than a micro-batch no
+larger than a batch that ran.
 
 Each trial runs the model's own train function as `fit` in a fresh
 process runs it: made anew at the trial's batch size, fed by Keras' own

@@ -150,9 +150,9 @@ def run_trial(model, probe, source, size):
             raise
         # An earlier trial ran out of memory inside an `AddN` that the graph
         # optimizer turned into a temporary variable; the temporary outlived
-        # that step, and every later step with the same node names fails to
-        # create it, whatever its batch (`fit` ran in the same process after
-        # the search: its smaller steps may not hold that temporary).
+        # that step, and later steps at or near that batch, with the same
+        # node names, fail to create it (`fit` at smaller batches ran in the
+        # same process after the search).
         raise TrialsCannotGoOn(
             "TensorFlow cannot create a temporary variable that a step which "
             "ran out of memory left behind (AlreadyExistsError)"
