@@ -15,14 +15,16 @@ showed); the bound is, because a step's fixed part is at least its
 gradients. So the search grows geometrically while the peak is flat and
 closes in by halves near the top.
 
-It stops when the next step would add less than `tolerance`, when a
-trial peaked above the target (it still counts: it ran), or once a larger
-trial near the top peaked no higher than the one before (a block the
-allocator rounded up then sets the peak, and the batch that outgrows it
-jumps past what any line through the peaks can see). Once a trial has
-run out of memory, the search bisects between the largest batch that ran
-and the smallest that did not, until the middle gains less than
-`tolerance`: no line is drawn through peaks read after an error. Where
+It stops when the next step would add less than `tolerance`, or once a
+larger trial near the top peaked no higher than the one before (a block
+the allocator rounded up then sets the peak, and the batch that outgrows
+it jumps past what any line through the peaks can see). Once a trial has
+run out of memory, or ran but peaked above the target (a fresh `fit`
+holds a few MiB more than a trial, so a step that ran at the very limit
+here can fail there), the search bisects between the largest batch that
+ran under the target and the smallest that did not, until the middle
+gains less than `tolerance`: no line is drawn through peaks read after
+an error. Where
 the backend says no further trial can run in this process (on TensorFlow,
 a temporary a failed step left behind), the search stops there. It
 answers from the largest batch that ran, never one it only predicted. The
@@ -39,9 +41,11 @@ arrays `fit` holds are all measured. Each trial's memory counts from what
 was in use before it (on TensorFlow) or before the first trial (on
 PyTorch, whose CPU memory a trial freed may stay with the process), so
 what an earlier trial left behind does not shrink the answer. Without a
-compiled step the answer is `tolerance` below the largest batch that ran
-(at the very top, a batch trains or not depending on where the prefetched
-batches land), and a trial there may still run out of memory (recovered).
+compiled step the answer is the largest batch that ran under the target,
+at most `tolerance` below the smallest that did not (or below itself, when
+none failed): at the very top, a batch trains or not depending on where
+the prefetched batches land, and a trial there may still run out of
+memory (recovered).
 Where `fit` runs a step compiled by XLA, whose buffers are assigned before
 it runs, the search reads the compiled step's memory instead: on
 TensorFlow with XLA it reads the buffer assignment of the train step at
@@ -132,10 +136,12 @@ class BatchSizeResult(NamedTuple):
         largest_batch_size: The batch to train with. On XLA (and on JAX,
             where no step runs), the largest
             whose compiled step fits under `threshold` of the limit (a step
-            at it ran on TensorFlow). Otherwise `tolerance` below the
-            largest batch whose trial steps ran (on PyTorch, that batch):
-            at the very top, whether a batch trains depends on where the
-            input pipeline's batches land in TensorFlow's allocator.
+            at it ran on TensorFlow). Otherwise the largest batch whose
+            trial steps ran under `threshold` of the limit, at most
+            `tolerance` below the smallest that did not (or below itself,
+            when none failed; on PyTorch, that batch): at the very top,
+            whether a batch trains depends on where the input pipeline's
+            batches land in TensorFlow's allocator.
         measured_peak_bytes: The measured peak of the largest trial that ran.
         predicted_peak_bytes: The peak the memory model predicts for it.
         limit_bytes: The device memory limit searched against.
@@ -327,19 +333,22 @@ def find_batch_size(
                     decider.Failure(size, 1, sample_size, in_use, limit),
                 )
                 upper = size - 1
-                failed = size
+                failed = size if failed is None else min(failed, size)
             else:
                 _, state = decider.observe(
                     config,
                     state,
                     decider.Reading(size, 1, sample_size, in_use, peak, limit),
                 )
-                if best is None or size > best[0]:
-                    best = (size, peak, predicted)
                 if peak > target and not compiled:
-                    # It ran, but the allocator rounded it up past the
-                    # prediction: a larger step would be a guess.
-                    break
+                    # It ran, but at the very top: a fresh `fit` holds a few
+                    # MiB more than the trial (its prefetched batches), so a
+                    # batch that ran here can fail there. It bounds the
+                    # search as a failure would, without counting as one.
+                    upper = size - 1
+                    failed = size if failed is None else min(failed, size)
+                elif best is None or size > best[0]:
+                    best = (size, peak, predicted)
             if failed is not None and best is not None:
                 # The edge is between the largest batch that ran and the
                 # smallest that did not: the middle next, while that gains
@@ -421,8 +430,11 @@ def find_batch_size(
         # At the top, whether a batch trains depends on where the input
         # pipeline's prefetched batches land in memory: the same batch can
         # run in one fresh process and fail in the next. `tolerance` below
-        # it is the margin for that.
-        largest = max(1, int(largest * (1.0 - tolerance)))
+        # the edge is the margin for that: below the smallest batch that
+        # failed or peaked above the target where one did, else below the
+        # largest that ran.
+        edge = failed if failed is not None else largest
+        largest = max(1, min(largest, int(edge * (1.0 - tolerance))))
     micro_batches = None
     if batch_size is not None:
         decided, _ = decider.plan(

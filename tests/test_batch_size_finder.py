@@ -208,22 +208,26 @@ def test_on_xla_the_answer_leaves_the_largest_buffer_a_block_of_its_own():
 
 
 @pytest.mark.slow
-def test_a_trial_that_cannot_run_after_an_error_ends_the_search_with_an_answer():
-    # A small Transformer under 400 MiB: when a trial ran out of memory
-    # inside an `AddN` the graph optimizer had turned into a temporary
-    # variable, the next trial raised TensorFlow's AlreadyExistsError for
-    # that temporary, and so would every later trial at that size or near
-    # it: the search raised it. Now the search stops there and answers from
-    # the trials that ran. The error comes in some runs only (5 of 12 here,
-    # see bench/RESULTS.md); without it the search ends as usual. (Whether
-    # the answer trains in plain `fit` is not asserted here: on this model
-    # a search with no error answered 87 and 94 where `fit` trains 81 and
-    # not 86, a weakness of its own, in bench/RESULTS.md.)
+def test_a_transformers_answer_trains_after_errors_and_trials_at_the_limit():
+    # A small Transformer under 400 MiB, where plain `fit` trains 81 and
+    # not 83 (bench/RESULTS.md). Its trials' peaks jump by a hundred MiB
+    # between neighbouring batches, so a search meets both of these:
+    # - A trial that ran at the very limit (92 at 399.8 MiB) counted as one
+    #   that ran, and the answer 5% below it (87, 94 in 2 searches of 5)
+    #   failed in `fit`. A trial above the target now bounds the search.
+    # - After a trial ran out of memory inside an `AddN` the graph
+    #   optimizer had turned into a temporary variable, the next trial
+    #   raised AlreadyExistsError for that temporary (5 searches of 12):
+    #   the search raised it. Now it stops there and answers from the
+    #   trials that ran.
     found = _in_a_fresh_process("find", "attention", "off", cap_mib=400)
     assert found["errors"] <= 2, found
     assert found["answer"] >= 32, found
-    failed = [size for size, peak in found["trials"] if peak is None]
-    assert all(found["answer"] < size for size in failed), found
+    target = 0.95 * 400 * 2**20
+    bounds = [size for size, peak in found["trials"] if peak is None or peak > target]
+    assert all(found["answer"] < size for size in bounds), found
+    trained = _in_a_fresh_process("fit", "attention", "off", found["answer"], cap_mib=400)
+    assert trained["trained"], found
 
 
 @pytest.mark.slow
