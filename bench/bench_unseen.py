@@ -13,20 +13,25 @@ the cap reserved as one region; `--xla on` compiles the step with XLA, as
    shared by two busy processes. Reported: out-of-memory errors, crashes (the process did not
    end cleanly or `fit` raised), whether every batch of every run ended,
    and the micro-batch size each settled on.
-3. `fixed`: the best fixed count: from the first run's settled count down,
-   `MemoryGuard(plan=False, micro_batches=k, cooldown=10**9)` for
+3. `fixed`: the best fixed count: from the first run's settled count down
+   (one count per micro-batch size, the smallest that splits the batch
+   so), `MemoryGuard(plan=False, micro_batches=k, cooldown=10**9)` for
    `FIXED_EPOCHS` epochs until a count runs out of memory, a batch peaks
    above the guard's threshold (90%) or (on XLA) the guard had to raise
    the count; the
    smallest count that ran clean under it is the best. Reported:
    settled micro-batch / best micro-batch, first run and cached.
 4. `finder`: `find_batch_size` on the same numpy input, then plain `fit`
-   at its answer and at 11% above it, each in a fresh process. Reported:
-   the answer, whether each trained.
+   at its answer, each in a fresh process; where the answer trains, the
+   largest batch plain `fit` trains is searched upward from it (11% more,
+   then 25% steps until one fails, then bisection; at most `EDGE_RUNS`
+   runs, and no batch above the samples the input holds). Reported: the
+   answer, whether it trained, the largest batch that trained and the
+   smallest that did not, and answer / largest.
 
 Goals (issue "never worse than plain Keras"): 0 errors and 0 crashes;
 settled / best >= 0.85 first run, >= 0.95 cached; spread <= 10%; the
-finder's answer trains and 11% more does not.
+finder's answer trains and is 0.9-1.0 of the largest batch that does.
 
     python bench/bench_unseen.py [--models efficientnet,densenet,...]
         [--xla off,on] [--parts plain,guard,fixed,finder] [--share 0.55]
@@ -57,6 +62,8 @@ GUARD_EPOCHS = 3
 PARTS = ("plain", "guard", "fixed", "finder")
 # A child that runs longer is stopped and reported as timed out.
 CHILD_TIMEOUT_S = 1800
+# Plain fits run to find the largest batch that trains above the finder's.
+EDGE_RUNS = 5
 # name: batch size
 MODELS = {
     "efficientnet": 32,
@@ -150,7 +157,14 @@ def child(spec):
     run = spec["run"]
     if run == "find":
         found = keras_memguard.find_batch_size(model, x, y, verbose=0)
-        return {"answer": found.largest_batch_size, "errors": found.out_of_memory_errors}
+        return {
+            "answer": found.largest_batch_size,
+            "errors": found.out_of_memory_errors,
+            "trials": [
+                [t.batch_size, t.peak_bytes and round(t.peak_bytes / MIB, 1)]
+                for t in found.trials
+            ],
+        }
     batch = spec.get("batch", batch)
     counts = []
 
@@ -268,6 +282,9 @@ def measure(name, xla, parts, share, report):
         k = max(1, math.ceil(batch / row["settled"][0]))
         best = None
         while k >= 1:
+            # The smallest count with this micro-batch size: the counts
+            # between two sizes split the batch the same way.
+            k = math.ceil(batch / math.ceil(batch / k))
             fixed = run_child({**base, "run": "fixed", "k": k, "epochs": FIXED_EPOCHS}, cap)
             clean = (
                 # On XLA the guard raises a count the compiled program shows
@@ -292,11 +309,34 @@ def measure(name, xla, parts, share, report):
             row["finder_trains"] = run_child(
                 {**base, "run": "plain", "batch": answer}, cap
             ).get("trained")
-            row["finder_plus_11_trains"] = run_child(
-                {**base, "run": "plain", "batch": -(-answer * 10 // 9)}, cap
-            ).get("trained")
+            if row["finder_trains"]:
+                largest, failed = largest_trained(base, cap, answer, batch * STEPS)
+                row["largest_trained"], row["smallest_failed"] = largest, failed
+                row["finder_ratio"] = answer / largest
     report(row)
     return row
+
+
+def largest_trained(base, cap, trained, samples):
+    """`(largest batch that trained, smallest that did not or None)`, from `trained` up.
+
+    11% above `trained` first, then 25% steps until a batch fails, then
+    bisection; at most `EDGE_RUNS` fits, none larger than `samples`.
+    """
+    low, high = trained, None
+    size = -(-trained * 10 // 9)
+    for _ in range(EDGE_RUNS):
+        size = min(size, samples)
+        if size <= low:
+            break
+        if run_child({**base, "run": "plain", "batch": size}, cap).get("trained"):
+            low = size
+        else:
+            high = size
+        if high is not None and high - low <= 1:
+            break
+        size = -(-low * 5 // 4) if high is None else (low + high) // 2
+    return low, high
 
 
 def report_line(row):
@@ -308,10 +348,17 @@ def report_line(row):
         return "-" if value is None else str(value)
 
     answer = (row.get("finder") or {}).get("answer")
-    finder = "-" if answer is None else (
-        f"{answer} ({'trains' if row.get('finder_trains') else 'FAILS'}; "
-        f"+11% {'trains' if row.get('finder_plus_11_trains') else 'fails'})"
-    )
+    if answer is None:
+        finder = "-"
+    elif not row.get("finder_trains"):
+        finder = f"{answer} (FAILS)"
+    else:
+        failed = row.get("smallest_failed")
+        finder = (
+            f"{answer} (trains; largest that trains {row['largest_trained']}, "
+            f"{'none tried fails' if failed is None else f'{failed} fails'}: "
+            f"{row['finder_ratio']:.2f})"
+        )
     print(
         f"| {row['model']} | {row['xla']} | {row['batch']} | {show(row.get('plain_peak_mib'))} "
         f"| {row.get('cap_mib', '-')} | {show(row.get('errors'))} | {show(row.get('crashes'))} "
