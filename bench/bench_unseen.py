@@ -271,7 +271,11 @@ def measure(name, xla, parts, share, report):
         ]
         row["guard"] = runs
         row["errors"] = sum(r.get("ooms", 0) for r in runs)
-        row["crashes"] = sum(1 for r in runs if "crash" in r or "error" in r)
+        # A refusal (the guard's MicroBatchTooLargeError, before a step that
+        # would not fit) is a clear Python error, not a crash.
+        refused = [r for r in runs if r.get("error", "").startswith("MicroBatchTooLargeError")]
+        row["refusals"] = len(refused)
+        row["crashes"] = sum(1 for r in runs if "crash" in r or "error" in r) - len(refused)
         row["timeouts"] = sum(1 for r in runs if "timeout" in r)
         row["all_batches"] = all(r.get("batches") == STEPS * GUARD_EPOCHS for r in runs)
         row["settled"] = [settled(r, batch) for r in runs]
@@ -369,6 +373,13 @@ def report_line(row):
     )
     if row.get("error"):
         print(f"<!-- {row['model']} {row['xla']}: {row['error'][:300]} -->", flush=True)
+    if row.get("refusals"):
+        first = next(r["error"] for r in row["guard"] if "error" in r)
+        print(
+            f"<!-- {row['model']} {row['xla']}: {row['refusals']} guarded run(s) "
+            f"refused: {first[:300]} -->",
+            flush=True,
+        )
     if row.get("timeouts"):
         print(
             f"<!-- {row['model']} {row['xla']}: {row['timeouts']} guarded run(s) "
