@@ -49,8 +49,9 @@ memory (recovered).
 Where `fit` runs a step compiled by XLA, whose buffers are assigned before
 it runs, the search reads the compiled step's memory instead: on
 TensorFlow with XLA it reads the buffer assignment of the train step at
-each batch after one measured trial, and runs one step at the answer (an
-error in a compiled program can end the process); on JAX it runs no step
+each batch after one measured trial (itself run only at a batch whose
+program fits), and runs one step at the answer (an error in a compiled
+program can end the process); on JAX it runs no step
 at all, and bisects over `memory_analysis()` of Keras' own train step
 compiled for each batch asked about, against the memory in use (or the
 step's arguments, where the device keeps no statistics), as `MemoryGuard`
@@ -290,6 +291,8 @@ def find_batch_size(
     try:
         size = int(min(FIRST_TRIAL, upper))
         predicted = None
+        if compiled:
+            size = _first_compiled_trial(model, backend, probe, source, size, target, limit)
         while len(trials) < max_trials:
             try:
                 in_use, input_bytes, peak, seconds = backend.run_trial(
@@ -460,6 +463,38 @@ def find_batch_size(
         trials=tuple(trials),
         out_of_memory_errors=errors,
     )
+
+
+def _first_compiled_trial(model, backend, probe, source, size, target, limit):
+    """The first trial's batch on XLA: `size`, or less where its program does not fit.
+
+    An out-of-memory error inside an XLA program can end the process, so
+    even the first trial runs only at a batch whose compiled step fits
+    beside what is in use (XLA's buffer assignment, read without running
+    it). Where the program cannot be read here, `size`.
+    """
+    in_use = max(
+        [s.current_bytes for s in probe.sample() if s.current_bytes is not None],
+        default=0.0,
+    )
+    room = target - in_use
+    found, needed = backend.largest_compiled(model, source, room, size, size)
+    if found is None or needed <= room:
+        return size
+    found, needed = backend.largest_compiled(model, source, room, 1, size - 1)
+    if found is None:
+        return size
+    if needed > room:
+        raise MicroBatchTooLargeError(
+            "One sample does not fit in one training step: its compiled step "
+            f"(XLA) needs {needed / _MIB:.1f} MiB beside the {in_use / _MIB:.1f} "
+            f"MiB in use, over the target of {target / _MIB:.1f} MiB of "
+            f"{limit / _MIB:.1f} MiB. The step was not run (an out-of-memory "
+            "error inside an XLA program can end the process). HINT: use mixed "
+            "precision, a smaller model or input, or a device with more memory.",
+            limit_bytes=limit,
+        )
+    return found
 
 
 def _compiled_search(model, backend, probe, first, limit, threshold, max_batch_size,

@@ -211,6 +211,22 @@ def test_on_xla_the_answer_leaves_the_largest_buffer_a_block_of_its_own():
 
 
 @pytest.mark.slow
+def test_on_xla_the_first_trial_runs_only_where_its_compiled_step_fits():
+    # An MLP over 1024 rows a sample (about 17 MiB a sample in a step),
+    # compiled with XLA as on a GPU, under 50 MiB. The first trial ran at 4
+    # samples blind, ran out of memory inside the XLA program, and the next
+    # trial ended the process with a segmentation fault (2 runs of 2; so did
+    # MobileNetV3Small with XLA under 99 MiB). The first trial's compiled
+    # program is now read before it runs.
+    found = _in_a_fresh_process("find", "rows", "auto", cap_mib=50)
+    assert found["xla"] and found["errors"] == 0, found
+    assert found["trials"][0][0] < 4, found
+    answer = found["answer"]
+    assert answer >= 1, found
+    assert _in_a_fresh_process("fit", "rows", "auto", answer, cap_mib=50)["trained"], found
+
+
+@pytest.mark.slow
 def test_a_transformers_answer_trains_after_errors_and_trials_at_the_limit():
     # A small Transformer under 400 MiB, where plain `fit` trains 81 and
     # not 83 (bench/RESULTS.md). Its trials' peaks jump by a hundred MiB

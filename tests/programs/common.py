@@ -96,6 +96,27 @@ def attention_classifier(samples):
     return keras.Model(tokens, outputs), x, rng.integers(0, 2, samples)
 
 
+def row_mlp(samples):
+    """An MLP over 1024 rows of 256 features a sample (not compiled) and `samples` of them.
+
+    Four `Dense(256)` layers applied to every row, pooled, `Dense(10)`:
+    about a MiB of layer outputs a sample per layer, little weight, so a
+    few samples more or less decide whether a step fits. `(model, x, y)`,
+    seeded.
+    """
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    rows = keras.Input((1024, 256))
+    hidden = rows
+    for _ in range(4):
+        hidden = keras.layers.Dense(256, activation="relu")(hidden)
+    outputs = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(hidden))
+    rng = np.random.default_rng(0)
+    x = rng.random((samples, 1024, 256), dtype=np.float32)
+    return keras.Model(rows, outputs), x, rng.integers(0, 10, samples)
+
+
 def collect_package_messages():
     """Returns a list that receives every keras_memguard log message (INFO up)."""
     messages = []

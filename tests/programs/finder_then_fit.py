@@ -12,7 +12,8 @@ benchmarks with 1024 samples, under the test's cap, with the allocator and
 INPUT: `numpy`, `dataset` (a batched `tf.data.Dataset`) or `py_dataset`
 (a `keras.utils.PyDataset`), or `decoder`: the decoder language model of
 `programs.unseen_under_cap` on its numpy token ids instead of the CNN, or
-`attention`: a one-block Transformer classifier on numpy sequences;
+`attention`: a one-block Transformer classifier on numpy sequences, or
+`rows`: an MLP over 1024 rows a sample, about 17 MiB a sample in a step;
 JIT: `auto` or `off`. Run by
 tests/test_batch_size_finder.py; reports through `emit_result`.
 """
@@ -25,7 +26,7 @@ import tensorflow as tf
 
 import keras_memguard
 from keras_memguard.testing import emit_result
-from programs.common import attention_classifier, design_cnn
+from programs.common import attention_classifier, design_cnn, row_mlp
 
 SAMPLES = 1024
 
@@ -62,6 +63,10 @@ def main(action, kind, jit, batch_size=32):
         from programs.unseen_under_cap import decoder
 
         model, x, y, _ = decoder()
+    elif kind == "rows":
+        # 16 samples to search on, two full batches to train on.
+        model, x, y = row_mlp(16 if action == "find" else 2 * int(batch_size))
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     elif kind == "attention":
         # 64 sequences to search on (trials repeat them), two full batches
         # to train on.
