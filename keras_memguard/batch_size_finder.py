@@ -485,13 +485,19 @@ def _first_compiled_trial(model, backend, probe, source, size, target, limit):
     if found is None:
         return size
     if needed > room:
+        # Infinite where the buffers do not fit the free memory as the
+        # allocator would hand it out (or the batch itself does not).
+        needs = (
+            f"needs {needed / _MIB:.1f} MiB" if needed < float("inf")
+            else "does not fit"
+        )
         raise MicroBatchTooLargeError(
-            "One sample does not fit in one training step: its compiled step "
-            f"(XLA) needs {needed / _MIB:.1f} MiB beside the {in_use / _MIB:.1f} "
-            f"MiB in use, over the target of {target / _MIB:.1f} MiB of "
-            f"{limit / _MIB:.1f} MiB. The step was not run (an out-of-memory "
-            "error inside an XLA program can end the process). HINT: use mixed "
-            "precision, a smaller model or input, or a device with more memory.",
+            f"One sample does not fit in one training step: its compiled step "
+            f"(XLA) {needs} beside the {in_use / _MIB:.1f} MiB in use, under "
+            f"the target of {target / _MIB:.1f} MiB of {limit / _MIB:.1f} MiB. "
+            "The step was not run (an out-of-memory error inside an XLA "
+            "program can end the process). HINT: use mixed precision, a "
+            "smaller model or input, or a device with more memory.",
             limit_bytes=limit,
         )
     return found

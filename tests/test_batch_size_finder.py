@@ -227,6 +227,24 @@ def test_on_xla_the_first_trial_runs_only_where_its_compiled_step_fits():
 
 
 @pytest.mark.slow
+def test_on_xla_a_sample_whose_compiled_step_does_not_fit_is_refused_without_a_step():
+    # The same MLP under 16 MiB: not even one sample's compiled step fits.
+    from keras_memguard.testing import run_with_memory_cap
+    import programs
+
+    run = run_with_memory_cap(
+        programs.source("finder_then_fit", "find", "rows", "auto"),
+        memory_limit_mib=16,
+        timeout=300,
+        as_gpu=True,
+        check=False,
+    )
+    assert run.returncode == 1, (run.returncode, run.stderr[-3000:])
+    assert "MicroBatchTooLargeError: One sample does not fit" in run.stderr, run.stderr[-3000:]
+    assert "The step was not run" in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_a_transformers_answer_trains_after_errors_and_trials_at_the_limit():
     # A small Transformer under 400 MiB, where plain `fit` trains 81 and
     # not 83 (bench/RESULTS.md). Its trials' peaks jump by a hundred MiB
