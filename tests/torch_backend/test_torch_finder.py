@@ -64,9 +64,11 @@ def test_trials_run_and_everything_is_put_back():
         np.testing.assert_array_equal(a, b)
     ran = [t for t in result.trials if t.peak_bytes is not None]
     assert ran and len(result.trials) <= 4
-    # The answer is the largest batch that ran (no allocator's prefetch
-    # landing to leave room for, as on TensorFlow).
-    assert result.largest_batch_size == max(t.batch_size for t in ran)
+    # The answer is the largest batch that ran under the target (a trial
+    # above it bounds the search; no allocator's prefetch landing to leave
+    # room for, as on TensorFlow).
+    under = [t.batch_size for t in ran if t.peak_bytes <= 0.95 * limit]
+    assert result.largest_batch_size == max(under), result.trials
     assert result.limit_bytes == limit
     assert all(t.peak_bytes <= limit for t in ran)
     assert result.micro_batches >= 8192 / result.largest_batch_size
