@@ -465,6 +465,12 @@ def find_batch_size(
     )
 
 
+def _in_use_now(probe):
+    """The most memory in use on any of the probe's devices now, or `None`."""
+    in_use = [s.current_bytes for s in probe.sample() if s.current_bytes is not None]
+    return float(max(in_use)) if in_use else None
+
+
 def _first_compiled_trial(model, backend, probe, source, size, target, limit):
     """The first trial's batch on XLA: `size`, or less where its program does not fit.
 
@@ -473,10 +479,7 @@ def _first_compiled_trial(model, backend, probe, source, size, target, limit):
     beside what is in use (XLA's buffer assignment, read without running
     it). Where the program cannot be read here, `size`.
     """
-    in_use = max(
-        [s.current_bytes for s in probe.sample() if s.current_bytes is not None],
-        default=0.0,
-    )
+    in_use = _in_use_now(probe) or 0.0
     room = target - in_use
     found, needed = backend.largest_compiled(model, source, room, size, size)
     if found is None or needed <= room:
@@ -517,8 +520,7 @@ def _compiled_search(model, backend, probe, first, limit, threshold, max_batch_s
     """
     analyse = backend.step_analyser(model, first)
     target = threshold * limit
-    in_use = [s.current_bytes for s in probe.sample() if s.current_bytes is not None]
-    in_use = float(max(in_use)) if in_use else None
+    in_use = _in_use_now(probe)
     config = decider.make_config(threshold=threshold)
     state = decider.init(
         config,
