@@ -57,13 +57,20 @@ FLOOR_SLOW_FILES = frozenset(
 )
 
 
+def _is_slow(item):
+    return item.get_closest_marker("slow") is not None
+
+
 def pytest_collection_modifyitems(config, items):
+    # The slow tests first, in their files' order: the workers then end on
+    # the fast ones, not one worker on a minutes-long test while the other
+    # waits.
+    items.sort(key=lambda item: not _is_slow(item))
     if os.environ.get("MEMGUARD_TEST_SUBSET") != "floor":
         return
     kept, left_out = [], []
     for item in items:
-        slow = item.get_closest_marker("slow") is not None
-        if slow and item.path.name not in FLOOR_SLOW_FILES:
+        if _is_slow(item) and item.path.name not in FLOOR_SLOW_FILES:
             left_out.append(item)
         else:
             kept.append(item)
