@@ -81,7 +81,7 @@ def xla_cnn():
     keras.mixed_precision.set_global_policy("mixed_float16")
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
-        keras.Input((64, 64, 3)),
+        keras.Input((32, 32, 3)),
         layers.Conv2D(48, 3, activation="relu"),
         layers.Conv2D(48, 3, activation="relu"),
         layers.MaxPooling2D(),
@@ -96,7 +96,7 @@ def xla_cnn():
     )
     rng = np.random.default_rng(0)
     # Two batches: an XLA step with float16 convolutions is slow on a CPU.
-    x = rng.random((256, 64, 64, 3), dtype="float32")
+    x = rng.random((256, 32, 32, 3), dtype="float32")
     y = rng.integers(0, 10, 256)
     return model, x, y, 128
 
