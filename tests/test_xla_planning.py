@@ -9,6 +9,8 @@ from keras_memguard.compiled_plan import StepMemory
 from keras_memguard.backends.tensorflow.accumulation import accumulate_gradients
 from keras_memguard.backends.tensorflow.step import build_training_state
 from keras_memguard.backends.tensorflow.step import step_function
+from keras_memguard.backends.tensorflow.xla_memory import FailedBlock
+from keras_memguard.backends.tensorflow.xla_memory import still_fails
 from keras_memguard.backends.tensorflow.xla_memory import step_memory
 from keras_memguard.backends.tensorflow.xla_memory import uses_xla
 
@@ -76,3 +78,30 @@ def test_the_whole_batchs_outputs_are_kept_only_where_a_metric_reads_them(metric
         return result.y_pred is not None
 
     assert bool(outputs_kept()) is kept
+
+
+def _memory(largest_bytes):
+    return StepMemory(
+        micro_batches=1,
+        argument_bytes=0,
+        output_bytes=0,
+        temp_bytes=largest_bytes,
+        alias_bytes=0,
+        generated_code_bytes=0,
+        largest_allocation_bytes=largest_bytes,
+    )
+
+
+def test_a_block_that_found_no_room_is_not_tried_again_until_memory_is_freed():
+    # A failed allocation waits 10 s in TensorFlow's allocator: the probe of
+    # a buffer at least as large is answered without trying it.
+    failed = FailedBlock(size_bytes=32 * 2**20, in_use_bytes=96 * 2**20)
+    assert still_fails(_memory(32 * 2**20), failed, 96 * 2**20)
+    assert still_fails(_memory(40 * 2**20), failed, 97 * 2**20)
+    # A smaller buffer may fit; memory freed since may have made room.
+    assert not still_fails(_memory(31 * 2**20), failed, 96 * 2**20)
+    assert not still_fails(_memory(40 * 2**20), failed, 95 * 2**20)
+    # Nothing failed, or the memory in use is unknown: try it.
+    assert not still_fails(_memory(40 * 2**20), None, 96 * 2**20)
+    assert not still_fails(_memory(40 * 2**20), failed, None)
+

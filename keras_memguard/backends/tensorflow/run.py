@@ -302,10 +302,12 @@ class TfTrainingRun:
         from twice it on are tried until one passes; then halfway between
         the largest that failed and the smallest that passed, while that
         saves more than an eighth of the micro-batches (each count read is
-        one compile, once per batch shapes). Where no count fits, `"auto"`
-        stops accumulating and the search starts again; otherwise
-        `MicroBatchTooLargeError` is raised. `rounding` is what the
-        allocator counted beyond the found count's largest buffer.
+        one compile, once per batch shapes). A count whose largest buffer
+        is at least one the probe found no block for is not tried (a failed
+        allocation waits 10 s in TensorFlow's allocator). Where no count
+        fits, `"auto"` stops accumulating and the search starts again;
+        otherwise `MicroBatchTooLargeError` is raised. `rounding` is what
+        the allocator counted beyond the found count's largest buffer.
         """
         session = self.session
 
@@ -315,6 +317,10 @@ class TfTrainingRun:
         start = 1 if session.options.plan else k
         # The largest count that failed the probe, the smallest that passed.
         lowest, failed, found, rounding = start, None, None, 0
+        # A block no probe found room for: no step runs during the search,
+        # so a buffer at least as large fails too (and each failed try
+        # waits 10 s in TensorFlow's allocator).
+        failed_block = None
         while True:
             planned = plan_micro_batches(
                 analyse,
@@ -327,7 +333,12 @@ class TfTrainingRun:
                 max_micro_batches=session.config.max_micro_batches,
             )
             if planned.fits and (found is None or planned.micro_batches < found.micro_batches):
-                beyond = xla_memory.allocates(planned.memory, in_use)
+                if xla_memory.still_fails(planned.memory, failed_block, in_use()):
+                    beyond = None
+                else:
+                    probe = xla_memory.allocates(planned.memory, in_use)
+                    beyond = probe.beyond_bytes
+                    failed_block = probe.failed_block or failed_block
                 if beyond is not None:
                     found, rounding = planned, beyond
                 else:

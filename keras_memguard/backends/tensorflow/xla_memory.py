@@ -11,6 +11,8 @@ into the same `StepMemory` the JAX backend reads from `memory_analysis()`,
 so one planner (`keras_memguard.compiled_plan`) chooses the count on both.
 """
 
+from typing import NamedTuple, Optional
+
 import tensorflow as tf
 
 from keras_memguard.compiled_plan import StepMemory
@@ -102,6 +104,33 @@ def fits_in_free_block(memory, free_bytes):
     return 2 * largest <= free_bytes or free_bytes - largest >= BFC_SPLIT_REMAINDER_BYTES
 
 
+class FailedBlock(NamedTuple):
+    """A block the allocator could not hand out, and the memory in use then.
+
+    Attributes:
+        size_bytes: The size of the single allocation that failed.
+        in_use_bytes: The memory in use on the device right before it.
+    """
+
+    size_bytes: int
+    in_use_bytes: int
+
+
+class Probe(NamedTuple):
+    """What trying a compiled step's buffers on the device found.
+
+    Attributes:
+        beyond_bytes: The bytes the allocator counted beyond the largest
+            buffer's size (`0` without a count of the memory in use), or
+            `None` when the allocations ran out of memory.
+        failed_block: A `FailedBlock` where the largest buffer alone did
+            not fit and the memory in use was known; else `None`.
+    """
+
+    beyond_bytes: Optional[int]
+    failed_block: Optional[FailedBlock] = None
+
+
 def allocates(memory, in_use=None):
     """Tries a compiled step's buffers on the device before the step runs.
 
@@ -124,25 +153,52 @@ def allocates(memory, in_use=None):
             `None` when the device keeps no count. Defaults to `None`.
 
     Returns:
-        `None` when the allocations ran out of memory; else the bytes the
-        allocator counted beyond the largest buffer's size (`0` without
-        `in_use`).
+        A `Probe`.
     """
     largest = memory.largest_allocation_bytes
     sizes = [largest, max(0, memory.demand_bytes - largest)]
     held = []
     beyond = 0
+    before = None
     try:
         before = in_use() if in_use else None
         for index, size in enumerate(sizes):
             if size:
-                held.append(tf.raw_ops.Empty(shape=[size], dtype=tf.uint8, init=False))
+                try:
+                    held.append(tf.raw_ops.Empty(shape=[size], dtype=tf.uint8, init=False))
+                except tf.errors.ResourceExhaustedError:
+                    alone = index == 0 and before is not None
+                    return Probe(None, FailedBlock(size, before) if alone else None)
                 if index == 0 and before is not None:
                     after = in_use()
                     if after is not None:
                         beyond = max(0, int(after - before - size))
-    except tf.errors.ResourceExhaustedError:
-        return None
     finally:
         del held
-    return beyond
+    return Probe(beyond)
+
+
+def still_fails(memory, failed_block, in_use_bytes):
+    """Whether a probe of `memory` would fail as `failed_block` did.
+
+    No free block held `failed_block.size_bytes`; while no memory was freed
+    since (the memory in use is no lower), none holds a buffer at least as
+    large either. Answering that without trying matters: TensorFlow's
+    allocator waits up to 10 seconds for memory to be freed before an
+    allocation fails (its retry on failure), so every failed probe stalls
+    training that long.
+
+    Args:
+        memory: The step's `StepMemory`.
+        failed_block: A `FailedBlock`, or `None`.
+        in_use_bytes: The memory in use now, or `None` when unknown.
+
+    Returns:
+        `True` when the probe would fail.
+    """
+    return (
+        failed_block is not None
+        and in_use_bytes is not None
+        and in_use_bytes >= failed_block.in_use_bytes
+        and memory.largest_allocation_bytes >= failed_block.size_bytes
+    )
