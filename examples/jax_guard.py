@@ -1,10 +1,10 @@
 """MemoryGuard on Keras' JAX backend: the micro-batch count read from the compiled step.
 
-Runs with `pip install -e ".[jax]"` (no TensorFlow), on the CPU in a few
-seconds, or on a GPU. A CNN is trained at batch 512 under a memory limit its
-whole-batch step does not fit (on a CPU, where JAX keeps no memory
-statistics, the limit is `--limit-mib`; on a GPU the device's own limit
-when `--limit-mib 0`). Before the first batch runs, the guard compiles the
+Runs with `pip install -e ".[jax]"` (no TensorFlow), on the CPU in one to
+two minutes, or on a GPU. A CNN is trained at batch 512 (one batch an
+epoch, two epochs) under a memory limit its whole-batch step does not fit
+(on a CPU, where JAX keeps no memory statistics, the limit is
+`--limit-mib`; on a GPU the device's own limit when `--limit-mib 0`). Before the first batch runs, the guard compiles the
 micro-batched step for a few counts and reads XLA's memory analysis of each;
 the batch runs with the smallest count that fits. Then the same model is
 trained with plain `fit` and the weights are compared.
@@ -58,8 +58,10 @@ def main():
     if keras.backend.backend() != "jax":
         sys.exit(f"run with KERAS_BACKEND=jax (this is {keras.backend.backend()})")
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(2 * args.batch_size, 32, 32, 3)).astype("float32")
-    y = rng.integers(0, 10, size=(2 * args.batch_size,))
+    # One batch an epoch: on a CPU, XLA runs the micro-batch loop's
+    # convolutions slowly (bench/RESULTS.md), so each batch takes seconds.
+    x = rng.normal(size=(args.batch_size, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, size=(args.batch_size,))
     fit = dict(batch_size=args.batch_size, epochs=2, shuffle=False, verbose=0)
 
     limit = int(args.limit_mib * 2**20) or None
