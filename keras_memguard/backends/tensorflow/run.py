@@ -333,7 +333,7 @@ class TfTrainingRun:
                 max_micro_batches=session.config.max_micro_batches,
             )
             if planned.fits and (found is None or planned.micro_batches < found.micro_batches):
-                if xla_memory.still_fails(planned.memory, failed_block, in_use()):
+                if failed_block and xla_memory.still_fails(planned.memory, failed_block, in_use()):
                     beyond = None
                 else:
                     probe = xla_memory.allocates(planned.memory, in_use)

@@ -159,7 +159,6 @@ def allocates(memory, in_use=None):
     sizes = [largest, max(0, memory.demand_bytes - largest)]
     held = []
     beyond = 0
-    before = None
     try:
         before = in_use() if in_use else None
         for index, size in enumerate(sizes):
