@@ -62,10 +62,12 @@ def _is_slow(item):
 
 
 def pytest_collection_modifyitems(config, items):
-    # The slow tests first, in their files' order: the workers then end on
-    # the fast ones, not one worker on a minutes-long test while the other
-    # waits.
-    items.sort(key=lambda item: not _is_slow(item))
+    # The files with slow tests first, each file's tests kept together (a
+    # module fixture that slow and fast tests share is not built twice):
+    # the workers then end on files of fast tests, not one worker on a
+    # minutes-long test while the other waits.
+    slow_files = {item.path for item in items if _is_slow(item)}
+    items.sort(key=lambda item: item.path not in slow_files)
     if os.environ.get("MEMGUARD_TEST_SUBSET") != "floor":
         return
     kept, left_out = [], []
