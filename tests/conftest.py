@@ -32,13 +32,13 @@ os.environ.update(
 
 import pytest  # noqa: E402
 
-# With MEMGUARD_TEST_SUBSET=floor (the floor end in `.ci/run`), the slow tests
-# run only from these files: the training core, the guard, the mixin,
-# inference and the profiler, where Keras' and TensorFlow's internals differ
-# by version. The
-# finder, the advice, the examples, the benchmarks' smoke runs, the planning
-# figures and the user models run at the newest end; the fast tests run at
-# both.
+# With MEMGUARD_TEST_SUBSET=floor (the floor ends in `.ci/run`, TensorFlow's
+# and PyTorch's), the slow tests run only from these files: the training
+# core, the guard, the mixin, the replay, inference and the profiler, where
+# Keras' and the frameworks' internals differ by version. The finder, the
+# advice, the examples, the benchmarks' smoke runs, the growth checks, the
+# planning figures and the user models run at the newest end; the fast
+# tests run at both.
 FLOOR_SLOW_FILES = frozenset(
     (
         "test_bad_input.py",
@@ -53,6 +53,10 @@ FLOOR_SLOW_FILES = frozenset(
         "test_own_train_step.py",
         "test_profile_spikes.py",
         "test_remat.py",
+        "test_torch_guard.py",
+        "test_torch_probe.py",
+        "test_torch_replay.py",
+        "test_torch_step.py",
     )
 )
 
