@@ -275,6 +275,40 @@ def plan_micro_batches(
     return CompiledPlan(chosen, bool(fitting), memory, usage, reason, ordered)
 
 
+def count_after_no_free_block(plan):
+    """The smallest count to try after `plan`'s buffers found no free block.
+
+    The step fits in total but the allocator has no free block for its
+    buffers (it is fragmented): a count that halves the largest buffer, at
+    least, or a larger count `plan` already analysed whose largest buffer
+    is smaller, which costs no compile.
+
+    Args:
+        plan: The `CompiledPlan` whose count failed (it has a `memory`).
+
+    Returns:
+        An `int`: the lowest count the search goes on from.
+
+    Example:
+
+    >>> tried = (StepMemory(6, 0, 1, 74, 0, largest_allocation_bytes=74),
+    ...          StepMemory(9, 0, 1, 28, 0, largest_allocation_bytes=28))
+    >>> count_after_no_free_block(CompiledPlan(6, True, tried[0], 0.5, "", tried))
+    9
+    """
+    largest = plan.memory.largest_allocation_bytes
+    return min(
+        [2 * plan.micro_batches]
+        + [
+            memory.micro_batches
+            for memory in plan.analysed
+            if memory is not None
+            and memory.micro_batches > plan.micro_batches
+            and memory.largest_allocation_bytes < largest
+        ]
+    )
+
+
 def excess_bytes(memory, before_bytes, peak_bytes):
     """How far a measured peak went past what the analysis predicted.
 

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from keras_memguard.compiled_plan import CompiledPlan
 from keras_memguard.compiled_plan import StepMemory
+from keras_memguard.compiled_plan import count_after_no_free_block
 from keras_memguard.backends.tensorflow.accumulation import accumulate_gradients
 from keras_memguard.backends.tensorflow.step import build_training_state
 from keras_memguard.backends.tensorflow.step import step_function
@@ -105,3 +107,29 @@ def test_a_block_that_found_no_room_is_not_tried_again_until_memory_is_freed():
     assert not still_fails(_memory(40 * 2**20), None, 96 * 2**20)
     assert not still_fails(_memory(40 * 2**20), failed, None)
 
+
+
+def test_after_no_free_block_a_count_already_read_is_tried_before_a_new_compile():
+    mib = 2**20
+    # The decoder language model's reads (as on a GPU): 6 micro-batches fit
+    # in total, but no free block held its 74.5 MiB buffer.
+    read = {1: 194, 3: 193.6, 5: 86.6, 6: 74.5, 9: 28.5, 32: 10.6}
+    analysed = tuple(
+        StepMemory(k, 0, 0, int(size * mib), 0, largest_allocation_bytes=int(size * mib))
+        for k, size in read.items()
+    )
+    failed = CompiledPlan(6, True, analysed[3], 0.5, "", analysed)
+    # 9 was read already (no compile) and its largest buffer is smaller:
+    # before, the search compiled 12 first.
+    assert count_after_no_free_block(failed) == 9
+    # Nothing larger read with a smaller buffer: twice the count.
+    alone = CompiledPlan(6, True, analysed[3], 0.5, "", analysed[:4])
+    assert count_after_no_free_block(alone) == 12
+
+
+def test_the_planners_examples_run():
+    import doctest
+
+    from keras_memguard import compiled_plan
+
+    assert doctest.testmod(compiled_plan).failed == 0

@@ -23,6 +23,7 @@ from keras_memguard.callbacks import inference
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks import messages
 from keras_memguard.callbacks import oom_report
+from keras_memguard.compiled_plan import count_after_no_free_block
 from keras_memguard.compiled_plan import excess_bytes
 from keras_memguard.compiled_plan import plan_micro_batches
 from keras_memguard.errors import UnsupportedTrainingSetupError
@@ -277,7 +278,9 @@ class TfTrainingRun:
                     ),
                 )
 
-            if analyse(k) is None:
+            # Read where the search starts, so the read is not a compile
+            # of its own (a count the search may never try).
+            if analyse(1 if session.options.plan else k) is None:
                 return k
             planned, rounding = self._search_compiled(analyse, k, batch_size, before)
             self._compiled_plans[shapes] = (planned, rounding)
@@ -299,7 +302,8 @@ class TfTrainingRun:
         in total and still find no free block for its largest buffer (the
         allocator is fragmented), which the probe (`xla_memory.allocates`)
         tells before the step runs. After a count fails the probe, counts
-        from twice it on are tried until one passes; then halfway between
+        from twice it on (or from a larger count already read whose largest
+        buffer is smaller) are tried until one passes; then halfway between
         the largest that failed and the smallest that passed, while that
         saves more than an eighth of the micro-batches (each count read is
         one compile, once per batch shapes). A count whose largest buffer
@@ -354,9 +358,7 @@ class TfTrainingRun:
                 lowest = failed + gap // 2
                 continue
             if planned.fits and planned.micro_batches < batch_size:
-                # No free block holds the step's largest buffer: a count
-                # that halves it, at least.
-                lowest = 2 * planned.micro_batches
+                lowest = count_after_no_free_block(planned)
                 continue
             if not (
                 self._may_stop_accumulating()
