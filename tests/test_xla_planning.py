@@ -108,7 +108,6 @@ def test_a_block_that_found_no_room_is_not_tried_again_until_memory_is_freed():
     assert not still_fails(_memory(40 * 2**20), failed, None)
 
 
-
 def test_after_no_free_block_a_count_already_read_is_tried_before_a_new_compile():
     mib = 2**20
     # The decoder language model's reads (as on a GPU): 6 micro-batches fit
