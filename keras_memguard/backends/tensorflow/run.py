@@ -278,11 +278,13 @@ class TfTrainingRun:
                     ),
                 )
 
-            # Read where the search starts, so the read is not a compile
-            # of its own (a count the search may never try).
-            if analyse(1 if session.options.plan else k) is None:
+            # Without `plan`, counts below `k` are not tried. The program is
+            # read where the search starts, so the read is not a compile of
+            # its own (a count the search may never try).
+            start = 1 if session.options.plan else k
+            if analyse(start) is None:
                 return k
-            planned, rounding = self._search_compiled(analyse, k, batch_size, before)
+            planned, rounding = self._search_compiled(analyse, start, batch_size, before)
             self._compiled_plans[shapes] = (planned, rounding)
             if planned.micro_batches != self.function.micro_batches:
                 messages.log_plan(planned, batch_size)
@@ -295,10 +297,11 @@ class TfTrainingRun:
             controller.set_micro_batches(planned.micro_batches)
         return planned.micro_batches
 
-    def _search_compiled(self, analyse, k, batch_size, before):
+    def _search_compiled(self, analyse, start, batch_size, before):
         """`(plan, rounding)`: the smallest count whose program fits and whose blocks are free now.
 
-        XLA allocates the step's buffers in large pieces: a count can fit
+        Counts from `start` up are searched. XLA allocates the step's
+        buffers in large pieces: a count can fit
         in total and still find no free block for its largest buffer (the
         allocator is fragmented), which the probe (`xla_memory.allocates`)
         tells before the step runs. After a count fails the probe, counts
@@ -318,7 +321,6 @@ class TfTrainingRun:
         def in_use():
             return self._in_use(session.read())
 
-        start = 1 if session.options.plan else k
         # The largest count that failed the probe, the smallest that passed.
         lowest, failed, found, rounding = start, None, None, 0
         # A block no probe found room for: no step runs during the search,
