@@ -55,3 +55,41 @@ def test_a_region_the_allocator_cannot_give_is_logged_and_not_tried_again(
     assert region._attempted == {"CPU:0": 0}
     assert any("could not reserve" in r.getMessage() for r in caplog.records)
     assert region.reserve_region("CPU:0", limit) == 0
+
+
+def test_the_probes_remember_the_highest_peak_they_reset():
+    import tensorflow as tf
+
+    from keras_memguard.backends.tensorflow.probe import AllocatorProbe
+    from keras_memguard.backends.tensorflow.probe import highest_peak_bytes
+
+    probe = AllocatorProbe(devices=["CPU:0"])
+    probe.reset()
+    base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    tensor = tf.zeros([16 * MIB // 4])
+    del tensor
+    probe.sample()
+    assert tf.config.experimental.get_memory_info("CPU:0")["peak"] < base + 16 * MIB
+    assert highest_peak_bytes("CPU:0") >= base + 16 * MIB
+    # A reset reads the peak before it drops it.
+    tensor = tf.zeros([32 * MIB // 4])
+    del tensor
+    probe.reset()
+    assert highest_peak_bytes("CPU:0") >= base + 32 * MIB
+
+
+@pytest.mark.slow
+def test_a_region_after_a_probe_reset_the_peak_is_sized_from_the_highest_peak():
+    # 60 MiB grown and freed, the peak reset by a probe's sample: sized from
+    # the reset peak, the region asked for 584 MiB of a 600 MiB cap and
+    # failed after 10 s of the allocator's retries.
+    import programs
+    from keras_memguard.testing import run_with_memory_cap
+
+    result = run_with_memory_cap(
+        programs.source("region_after_reset"), memory_limit_mib=600, timeout=120
+    ).result
+    assert result["peak_after_sample_mib"] < 60, result
+    assert not any("could not reserve" in line for line in result["lines"]), result
+    # 600 - 4 x 60 - 16 MiB: the rest, reserved.
+    assert 300 <= result["reserved_mib"] <= 344, result

@@ -17,6 +17,11 @@ TF_DEFAULT_CPU_BFC_LIMIT_MIB = 1 << 16
 LIMIT_SOURCES = ("user", "logical_device", "cpu_bfc_env", "nvml", "unknown")
 MODES = ("bfc", "default", "unavailable", "gpu")
 
+# TensorFlow device -> the highest peak any probe read in this process. The
+# probes reset the allocator's peak at every sample, and what the allocator
+# grew for that peak stays reserved (`region.reserve_region` needs it).
+_highest_peaks = {}
+
 _BFC_HINT = (
     "HINT: set TF_CPU_ALLOCATOR_USE_BFC=true (and TF_CPU_BFC_MEM_LIMIT_IN_MB="
     "<MiB> for a cap) in the environment before TensorFlow is imported."
@@ -217,6 +222,12 @@ class AllocatorProbe(DeviceMemoryProbe):
         """Resets every device's peak to its current bytes (at train begin)."""
         if self._entries is None:
             self._ensure_ready()
+        get = self._get_memory_info
+        for entry in self._readable:
+            try:
+                _record_peak(entry.tf_device, get(entry.tf_device)["peak"])
+            except Exception as e:  # A probe never stops training.
+                self._log_failure("get_memory_info", entry, e)
         self._reset_all()
 
     def sample(self):
@@ -238,6 +249,7 @@ class AllocatorProbe(DeviceMemoryProbe):
                     info = get(entry.tf_device)
                     current = info["current"]
                     peak = info["peak"]
+                    _record_peak(entry.tf_device, peak)
                 except Exception as e:  # A probe never stops training.
                     self._log_failure("get_memory_info", entry, e)
             readings.append(
@@ -391,3 +403,25 @@ class AllocatorProbe(DeviceMemoryProbe):
         if any(self._limit_unknown(e) for e in entries if e.tf_device in devices):
             return ", and no memory limit is known, so usage is None"
         return ""
+
+
+def _record_peak(tf_device, peak):
+    if peak > _highest_peaks.get(tf_device, 0):
+        _highest_peaks[tf_device] = peak
+
+
+def highest_peak_bytes(tf_device):
+    """The highest peak any `AllocatorProbe` read on `tf_device` in this process.
+
+    The probes reset TensorFlow's peak at every sample, so the allocator's
+    own peak forgets what it grew its regions for; this does not. 0 before
+    any reading.
+
+    Args:
+        tf_device: A TensorFlow device string as the probe reads it,
+            e.g. `"CPU:0"`.
+
+    Returns:
+        An int, in bytes.
+    """
+    return _highest_peaks.get(tf_device, 0)

@@ -28,6 +28,7 @@ import logging
 
 from keras_memguard.probes.base import MIB
 from keras_memguard.backends.tensorflow.probe import cpu_bfc_limit_bytes
+from keras_memguard.backends.tensorflow.probe import highest_peak_bytes
 
 logger = logging.getLogger("keras_memguard")
 
@@ -85,7 +86,11 @@ def reserve_region(device, limit_bytes):
     import tensorflow as tf
 
     info = tf.config.experimental.get_memory_info(device)
-    size = region_bytes(limit_bytes, info["current"], info["peak"])
+    # The probes reset the allocator's peak at every sample: the highest
+    # they read counts too, or a region grown for it is missed and the
+    # allocation fails only after TensorFlow's 10 s of retries.
+    peak = max(info["peak"], highest_peak_bytes(device))
+    size = region_bytes(limit_bytes, info["current"], peak)
     _attempted[device] = 0
     if not size:
         return 0
