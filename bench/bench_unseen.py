@@ -27,7 +27,8 @@ the cap reserved as one region; `--xla on` compiles the step with XLA, as
    then 25% steps until one fails, then bisection; at most `EDGE_RUNS`
    runs, and no batch above the samples the input holds). Reported: the
    answer, whether it trained, the largest batch that trained and the
-   smallest that did not, and answer / largest.
+   smallest that did not, and answer / largest; a finder that stopped
+   with `MicroBatchTooLargeError` as refused.
 
 Goals (issue "never worse than plain Keras"): 0 errors and 0 crashes;
 settled / best >= 0.85 first run, >= 0.95 cached; spread <= 10%; the
@@ -69,6 +70,10 @@ MODELS = {
     "efficientnet": 32,
     "densenet": 32,
     "mobilenet_v3": 64,
+    # At 32x32, where XLA on the CPU runs the guard's loop of depthwise
+    # convolutions at about plain `fit`'s speed (RESULTS.md, "TensorFlow
+    # XLA on the CPU: convolution gradients inside the guard's loop").
+    "mobilenet_v3_32": 64,
     "decoder": 32,
     "decoder_masked": 32,
     "mixed_convnet": 128,
@@ -87,15 +92,17 @@ def build(name):
     if name == "mixed_convnet":
         keras.mixed_precision.set_global_policy("mixed_float16")
     keras.utils.set_random_seed(0)
-    if name in ("efficientnet", "densenet", "mobilenet_v3"):
+    if name in ("efficientnet", "densenet", "mobilenet_v3", "mobilenet_v3_32"):
         make = {
             "efficientnet": keras.applications.EfficientNetB0,
             "densenet": keras.applications.DenseNet121,
             "mobilenet_v3": keras.applications.MobileNetV3Small,
+            "mobilenet_v3_32": keras.applications.MobileNetV3Small,
         }[name]
-        model = make(weights=None, input_shape=(64, 64, 3), classes=10)
+        side = 32 if name.endswith("_32") else 64
+        model = make(weights=None, input_shape=(side, side, 3), classes=10)
         model.compile("adam", keras.losses.SparseCategoricalCrossentropy())
-        x = rng.random((samples, 64, 64, 3), dtype=np.float32)
+        x = rng.random((samples, side, side, 3), dtype=np.float32)
         return model, x, rng.integers(0, 10, samples), batch
     if name == "mixed_convnet":
         inputs = keras.Input((64, 64, 3))
@@ -156,7 +163,10 @@ def child(spec):
     model.jit_compile = spec["xla"] == "on"
     run = spec["run"]
     if run == "find":
-        found = keras_memguard.find_batch_size(model, x, y, verbose=0)
+        try:
+            found = keras_memguard.find_batch_size(model, x, y, verbose=0)
+        except keras_memguard.MicroBatchTooLargeError as refused:
+            return {"refused": str(refused)}
         return {
             "answer": found.largest_batch_size,
             "errors": found.out_of_memory_errors,
@@ -352,7 +362,9 @@ def report_line(row):
         return "-" if value is None else str(value)
 
     answer = (row.get("finder") or {}).get("answer")
-    if answer is None:
+    if (row.get("finder") or {}).get("refused"):
+        finder = "refused (MicroBatchTooLargeError)"
+    elif answer is None:
         finder = "-"
     elif not row.get("finder_trains"):
         finder = f"{answer} (FAILS)"
@@ -373,6 +385,12 @@ def report_line(row):
     )
     if row.get("error"):
         print(f"<!-- {row['model']} {row['xla']}: {row['error'][:300]} -->", flush=True)
+    if (row.get("finder") or {}).get("refused"):
+        print(
+            f"<!-- {row['model']} {row['xla']}: the finder refused: "
+            f"{row['finder']['refused'][:300]} -->",
+            flush=True,
+        )
     if row.get("refusals"):
         first = next(r["error"] for r in row["guard"] if "error" in r)
         print(
