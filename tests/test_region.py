@@ -47,9 +47,22 @@ def test_reserve_memory_must_be_a_bool(value):
 def test_a_region_the_allocator_cannot_give_is_logged_and_not_tried_again(
     monkeypatch, caplog
 ):
-    # Twice the process's cap: the allocator refuses (after its retries).
+    # A region twice the process's cap: the allocator refuses (after its
+    # retries). The limit adds the headroom the sizing keeps for the
+    # highest peak read so far in this process.
+    import tensorflow as tf
+
+    from keras_memguard.backends.tensorflow.probe import highest_peak_bytes
+
     monkeypatch.setattr(region, "_attempted", {})
-    limit = 2 * 8192 * MIB
+    info = tf.config.experimental.get_memory_info("CPU:0")
+    peak = max(info["peak"], info["current"], highest_peak_bytes("CPU:0"))
+    limit = (
+        2 * 8192 * MIB
+        + info["current"]
+        + region.HEADROOM_PEAK_FACTOR * peak
+        + region.HEADROOM_BYTES
+    )
     with caplog.at_level("INFO", logger="keras_memguard"):
         assert region.reserve_region("CPU:0", limit) == 0
     assert region._attempted == {"CPU:0": 0}
