@@ -35,9 +35,10 @@ larger than a batch that ran.
 Each trial runs the model's own train function as `fit` in a fresh
 process runs it: made anew at the trial's batch size, fed by Keras' own
 data adapter from the user's input (numpy arrays or tensors, a
-`keras.utils.PyDataset`, and on TensorFlow a `tf.data.Dataset`), for a few
-steps, so a custom `train_step`, the input pipeline's buffers and the
-arrays `fit` holds are all measured. Each trial's memory counts from what
+`keras.utils.PyDataset`, and on TensorFlow a `tf.data.Dataset`), for four
+steps (the input repeated where it holds fewer samples: a step's peak can
+grow over its first steps), so a custom `train_step`, the input pipeline's
+buffers and the arrays `fit` holds are all measured. Each trial's memory counts from what
 was in use before it (on TensorFlow) or before the first trial (on
 PyTorch, whose CPU memory a trial freed may stay with the process), so
 what an earlier trial left behind does not shrink the answer. Without a
@@ -100,7 +101,8 @@ _MIB = 1024 * 1024
 MAX_GROWTH = 64
 # Steps per trial. Batches the input pipeline prefetches take memory
 # between steps, and where they land splits the free memory: a step can
-# fail after two ran.
+# fail after two ran, and a step's peak can grow over the first steps by a
+# quarter (bench/RESULTS.md).
 TRIAL_STEPS = 4
 
 
@@ -187,8 +189,8 @@ def find_batch_size(
 ):
     """Finds the largest batch that trains in one step on this device.
 
-    Runs a few planned training steps on slices of `x` (repeated when a
-    trial needs more samples than `x` holds), each at a batch whose
+    Runs a few planned trials of four training steps on `x` (repeated
+    where it holds fewer samples than four batches), each at a batch whose
     predicted peak stays under `threshold` of the memory limit, and
     returns the batch to train with (see `BatchSizeResult`). The model's weights, optimizer
     state (slots and step counter) and metrics are restored exactly
@@ -721,20 +723,20 @@ class _TrialInput:
         """`(x, y, sample_weight)` to hand Keras' data adapter at `size`.
 
         Enough for `TRIAL_STEPS` steps: later steps run with the pipeline's
-        prefetch buffer filled, as `fit`'s steps do.
+        prefetch buffer filled, as `fit`'s steps do. Arrays of fewer
+        samples are repeated to that many: a step's peak can grow over its
+        first steps, and `fit` runs them over epochs if not in one.
         """
         if self.kind == "arrays":
-            if _sample_count(self.arrays) >= size:
+            if _sample_count(self.arrays) >= TRIAL_STEPS * size:
                 return self.arrays
-            return _slice(self.arrays, size)
+            return _slice(self.arrays, TRIAL_STEPS * size)
         if self.kind == "dataset":
             return self.backend.rebatched(self.batches, size), None, None
         return _ServedInBatches(self._samples(TRIAL_STEPS * size), size), None, None
 
     def steps(self, size):
-        """Training steps of a trial at `size`: `TRIAL_STEPS` where the input has them."""
-        if self.kind == "arrays":
-            return max(1, min(TRIAL_STEPS, _sample_count(self.arrays) // size))
+        """Training steps of a trial at `size`: `TRIAL_STEPS` (the input has them)."""
         return TRIAL_STEPS
 
     def _samples(self, count):

@@ -68,9 +68,9 @@ def main(action, kind, jit, batch_size=32):
         model, x, y = row_mlp(16 if action == "find" else 2 * int(batch_size))
         model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     elif kind == "attention":
-        # 64 sequences to search on (trials repeat them), two full batches
-        # to train on.
-        model, x, y = attention_classifier(64 if action == "find" else 2 * int(batch_size))
+        # 64 sequences to search on (trials repeat them), eight full
+        # batches to train on: its step's peak grows over the first steps.
+        model, x, y = attention_classifier(64 if action == "find" else 8 * int(batch_size))
         model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     else:
         model = design_cnn()
