@@ -37,11 +37,12 @@ process runs it: made anew at the trial's batch size, fed by Keras' own
 data adapter from the user's input (numpy arrays or tensors, a
 `keras.utils.PyDataset`, and on TensorFlow a `tf.data.Dataset`), for four
 steps (the input repeated where it holds fewer samples: a step's peak can
-grow over its first steps), so a custom `train_step`, the input pipeline's
-buffers and the arrays `fit` holds are all measured. Each trial's memory counts from what
-was in use before it (on TensorFlow) or before the first trial (on
-PyTorch, whose CPU memory a trial freed may stay with the process), so
-what an earlier trial left behind does not shrink the answer. Without a
+grow over its first steps), so a custom `train_step`, the input
+pipeline's buffers and the arrays `fit` holds are all measured. Each
+trial's memory counts from what was in use before it (on TensorFlow) or
+before the first trial (on PyTorch, whose CPU memory a trial freed may
+stay with the process), so what an earlier trial left behind does not
+shrink the answer. Without a
 compiled step the answer is the largest batch that ran under the target,
 at most `tolerance` below the smallest that did not (or below itself, when
 none failed): at the very top, a batch trains or not depending on where

@@ -268,12 +268,13 @@ def test_on_xla_a_sample_whose_compiled_step_does_not_fit_is_refused_without_a_s
 @pytest.mark.slow
 def test_a_transformers_answer_trains_after_errors_and_trials_at_the_limit():
     # A small Transformer under 400 MiB, where plain `fit` over eight
-    # steps trains 77 and not 81 (bench/RESULTS.md). Its trials' peaks jump
+    # steps trains 76 every time, and 77 to 81 only some of the times
+    # (bench/RESULTS.md). Its trials' peaks jump
     # by a hundred MiB between neighbouring batches, so a search meets all
     # of these:
     # - Trials on its 64 sequences ran one step where the batch was larger,
     #   and a step's first peak is a quarter below its third: an answer of
-    #   84 (its one step read 318 MiB) failed in `fit`, 1 search of 10.
+    #   84 (its one step read 318 MiB) failed in `fit`, in one suite run.
     #   Every trial now runs four steps.
     # - A trial that ran at the very limit (92 at 399.8 MiB) counted as one
     #   that ran, and the answer 5% below it (87, 94 in 2 searches of 5)
