@@ -2,8 +2,14 @@
 replays (three out-of-memory errors), and two models too large for one
 sample (a chain of layers, and one with a skip connection).
 
-Run by tests/test_guard.py; reports through `emit_result`.
+    guard_under_cap.py [PART]
+
+PART: `fit` (plain and guarded fit), `too_large` (the two models) or
+nothing for both. Run by tests/test_guard.py, one process per part side by
+side (their errors mostly wait); reports through `emit_result`.
 """
+
+import sys
 
 import numpy as np
 import keras
@@ -18,7 +24,17 @@ def make_model():
     return design_cnn(metrics=[SampleCount()])
 
 
-def main():
+def main(part=None):
+    out = {}
+    if part in (None, "fit"):
+        out.update(fits())
+    if part in (None, "too_large"):
+        out.update(too_large())
+    emit_result(out)
+
+
+def fits():
+    """Plain `fit` at 256, then guarded `fit`: what each did."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(320, 64, 64, 3)).astype("float32")
     y = rng.integers(0, 10, size=(320,))
@@ -42,9 +58,16 @@ def main():
     out["messages"] = messages
     out["weights"] = [w.tolist() for w in model.get_weights()[-2:]]
     out["iterations"] = int(model.optimizer.iterations.numpy())
+    return out
 
-    # One sample does not fit: a chain of layers (the remat rung could
-    # serve it) and a model with a skip connection (it could not).
+
+def too_large():
+    """Two models of which one sample does not fit: the guard's errors.
+
+    A chain of layers (the remat rung could serve it) and a model with a
+    skip connection (it could not).
+    """
+    out = {}
     big = keras.Sequential([keras.Input((512, 512, 3)), keras.layers.Conv2D(512, 3),
                             keras.layers.Activation("relu"),
                             keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(1)])
@@ -62,8 +85,8 @@ def main():
             out[name] = None
         except keras_memguard.MicroBatchTooLargeError as error:
             out[name] = [str(error), error.limit_bytes, error.peak_bytes]
-    emit_result(out)
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:])
