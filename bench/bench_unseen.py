@@ -22,13 +22,15 @@ the cap reserved as one region; `--xla on` compiles the step with XLA, as
    smallest count that ran clean under it is the best. Reported:
    settled micro-batch / best micro-batch, first run and cached.
 4. `finder`: `find_batch_size` on the same numpy input, then plain `fit`
-   at its answer, each in a fresh process; where the answer trains, the
-   largest batch plain `fit` trains is searched upward from it (11% more,
-   then 25% steps until one fails, then bisection; at most `EDGE_RUNS`
-   runs, and no batch above the samples the input holds). Reported: the
-   answer, whether it trained, the largest batch that trained and the
-   smallest that did not, and answer / largest; a finder that stopped
-   with `MicroBatchTooLargeError` as refused.
+   at its answer; where the answer trains, the largest batch plain `fit`
+   trains is searched upward from it (11% more, then 25% steps until one
+   fails, then bisection; at most `EDGE_RUNS` batches, and no batch above
+   the samples the input holds). A batch trains when plain `fit` trains it
+   in each of `EDGE_REPEATS` fresh processes (two at a time): near the top
+   the same batch can train in one process and run out of memory in the
+   next. Reported: the answer, whether it trained, the largest batch that
+   trained and the smallest that did not, and answer / largest; a finder
+   that stopped with `MicroBatchTooLargeError` as refused.
 
 Goals (issue "never worse than plain Keras"): 0 errors and 0 crashes;
 settled / best >= 0.85 first run, >= 0.95 cached; spread <= 10%; the
@@ -47,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -63,8 +66,10 @@ GUARD_EPOCHS = 3
 PARTS = ("plain", "guard", "fixed", "finder")
 # A child that runs longer is stopped and reported as timed out.
 CHILD_TIMEOUT_S = 1800
-# Plain fits run to find the largest batch that trains above the finder's.
+# Batches tried to find the largest that trains above the finder's answer.
 EDGE_RUNS = 5
+# Fresh plain fits per batch tried; a batch trains when every one does.
+EDGE_REPEATS = 3
 # name: batch size
 MODELS = {
     "efficientnet": 32,
@@ -320,9 +325,7 @@ def measure(name, xla, parts, share, report):
         row["finder"] = found
         answer = found.get("answer")
         if answer:
-            row["finder_trains"] = run_child(
-                {**base, "run": "plain", "batch": answer}, cap
-            ).get("trained")
+            row["finder_trains"] = trains_every_time(base, cap, answer)
             if row["finder_trains"]:
                 largest, failed = largest_trained(base, cap, answer, batch * STEPS)
                 row["largest_trained"], row["smallest_failed"] = largest, failed
@@ -331,11 +334,20 @@ def measure(name, xla, parts, share, report):
     return row
 
 
+def trains_every_time(base, cap, batch):
+    """Whether plain `fit` at `batch` trains in each of `EDGE_REPEATS` fresh processes."""
+    spec = {**base, "run": "plain", "batch": batch}
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda _: run_child(spec, cap), range(EDGE_REPEATS)))
+    return all(run.get("trained") for run in runs)
+
+
 def largest_trained(base, cap, trained, samples):
     """`(largest batch that trained, smallest that did not or None)`, from `trained` up.
 
     11% above `trained` first, then 25% steps until a batch fails, then
-    bisection; at most `EDGE_RUNS` fits, none larger than `samples`.
+    bisection; at most `EDGE_RUNS` batches, none larger than `samples`,
+    each tried `EDGE_REPEATS` times (`trains_every_time`).
     """
     low, high = trained, None
     size = -(-trained * 10 // 9)
@@ -343,7 +355,7 @@ def largest_trained(base, cap, trained, samples):
         size = min(size, samples)
         if size <= low:
             break
-        if run_child({**base, "run": "plain", "batch": size}, cap).get("trained"):
+        if trains_every_time(base, cap, size):
             low = size
         else:
             high = size
