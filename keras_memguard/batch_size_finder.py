@@ -44,10 +44,14 @@ before the first trial (on PyTorch, whose CPU memory a trial freed may
 stay with the process), so what an earlier trial left behind does not
 shrink the answer. Without a
 compiled step the answer is the largest batch that ran under the target,
-at most `tolerance` below the smallest that did not (or below itself, when
-none failed): at the very top, a batch trains or not depending on where
-the prefetched batches land, and a trial there may still run out of
-memory (recovered).
+at most `tolerance` below the smallest that did not: at the very top, a
+batch trains or not depending on where the prefetched batches land, and a
+trial there may still run out of memory (recovered). Where none failed,
+it is the largest batch that ran when the search stopped with the peaks
+still growing (the target is then within `tolerance` of it, and its own
+peak is under the target), and `tolerance` below it when a larger trial
+peaked no higher (a rounded block, past which a few samples more can
+fail).
 Where `fit` runs a step compiled by XLA, whose buffers are assigned before
 it runs, the search reads the compiled step's memory instead: on
 TensorFlow with XLA it reads the buffer assignment of the train step at
@@ -142,10 +146,11 @@ class BatchSizeResult(NamedTuple):
             whose compiled step fits under `threshold` of the limit (a step
             at it ran on TensorFlow). Otherwise the largest batch whose
             trial steps ran under `threshold` of the limit, at most
-            `tolerance` below the smallest that did not (or below itself,
-            when none failed; on PyTorch, that batch): at the very top,
-            whether a batch trains depends on where the input pipeline's
-            batches land in TensorFlow's allocator.
+            `tolerance` below the smallest that did not (where none did:
+            that batch, or `tolerance` below it when the peaks stopped
+            growing; on PyTorch, that batch): at the very top, whether a
+            batch trains depends on where the input pipeline's batches
+            land in TensorFlow's allocator.
         measured_peak_bytes: The measured peak of the largest trial that ran.
         predicted_peak_bytes: The peak the memory model predicts for it.
         limit_bytes: The device memory limit searched against.
@@ -291,6 +296,7 @@ def find_batch_size(
     errors = 0
     best = None  # (batch_size, peak, predicted)
     failed = None  # The smallest batch that ran out of memory.
+    edge_in_reach = False
     try:
         size = int(min(FIRST_TRIAL, upper))
         predicted = None
@@ -390,6 +396,11 @@ def find_batch_size(
                 _batch_for(target, state, best, slope, sample_size, in_use, upper), bound
             )
             if largest <= measured * (1.0 + tolerance) or largest < 1:
+                # The target is within `tolerance` of the largest batch
+                # that ran, by a line through peaks that still grow.
+                edge_in_reach = not (
+                    backend.PEAK_STALL_IS_ROUNDING and _peaks_stalled(trials, target)
+                )
                 break
             if backend.PEAK_STALL_IS_ROUNDING and _peaks_stalled(trials, target):
                 # A larger batch peaked no higher: a block the allocator
@@ -432,13 +443,18 @@ def find_batch_size(
     fitted = _line(state)
     last_in_use = trials[-1].in_use_bytes
     largest, peak, predicted = best
-    if not compiled and backend.TOP_VARIES and largest > 1:
+    if (
+        not compiled and backend.TOP_VARIES and largest > 1
+        and (failed is not None or not edge_in_reach)
+    ):
         # At the top, whether a batch trains depends on where the input
         # pipeline's prefetched batches land in memory: the same batch can
         # run in one fresh process and fail in the next. `tolerance` below
         # the edge is the margin for that: below the smallest batch that
         # failed or peaked above the target where one did, else below the
-        # largest that ran.
+        # largest that ran, unless the search stopped with the target
+        # within `tolerance` and the peaks still growing (the largest
+        # trial's own peak under the target is the margin then).
         edge = failed if failed is not None else largest
         largest = max(1, min(largest, int(edge * (1.0 - tolerance))))
     micro_batches = None

@@ -78,7 +78,9 @@ def test_trials_stay_under_the_limit_and_everything_is_put_back():
     # The answer is the largest trial that ran under the target (no XLA
     # here), at most `tolerance` below the smallest that ran out of memory,
     # went past the limit (counted as out of memory) or peaked above the
-    # target (here, some runs: at the very limit), else below itself.
+    # target (here, some runs: at the very limit). Where none did, the
+    # largest trial itself when the search stopped with the peaks still
+    # growing, else `tolerance` below it (its peak stalled: a rounded block).
     target = 0.95 * limit
     under = {
         t.batch_size: t for t in result.trials
@@ -87,9 +89,19 @@ def test_trials_stay_under_the_limit_and_everything_is_put_back():
     bounds = [t.batch_size for t in result.trials if t.batch_size not in under]
     largest_ran = max(under)
     edge = min(bounds) if bounds else largest_ran
-    assert result.largest_batch_size == min(largest_ran, int(edge * 0.95)), (
-        result.largest_batch_size, result.trials,
+    stepped_down = min(largest_ran, int(edge * 0.95))
+    before, last = result.trials[-2:]
+    stalled = (
+        last.batch_size > before.batch_size
+        and before.peak_bytes >= last.peak_bytes > 0.5 * target
     )
+    if bounds or stalled:
+        expected = {stepped_down}
+    elif len(result.trials) == 8:
+        expected = {largest_ran, stepped_down}  # The trials ran out, or the line stopped.
+    else:
+        expected = {largest_ran}
+    assert result.largest_batch_size in expected, (result.largest_batch_size, result.trials)
     assert result.measured_peak_bytes == under[largest_ran].peak_bytes
     assert result.measured_peak_bytes <= limit
     assert result.largest_batch_size > len(x)  # Samples repeated for larger trials.
