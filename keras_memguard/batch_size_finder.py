@@ -395,14 +395,13 @@ def find_batch_size(
             largest = min(
                 _batch_for(target, state, best, slope, sample_size, in_use, upper), bound
             )
+            stalled = backend.PEAK_STALL_IS_ROUNDING and _peaks_stalled(trials, target)
             if largest <= measured * (1.0 + tolerance) or largest < 1:
                 # The target is within `tolerance` of the largest batch
                 # that ran, by a line through peaks that still grow.
-                edge_in_reach = not (
-                    backend.PEAK_STALL_IS_ROUNDING and _peaks_stalled(trials, target)
-                )
+                edge_in_reach = not stalled
                 break
-            if backend.PEAK_STALL_IS_ROUNDING and _peaks_stalled(trials, target):
+            if stalled:
                 # A larger batch peaked no higher: a block the allocator
                 # rounded up, not the samples, sets the peak here, and the
                 # batch that outgrows it jumps past any line (a few samples
