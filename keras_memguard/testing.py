@@ -13,8 +13,9 @@ out-of-memory error in one process can crash TensorFlow 2.21.
 `act_as_gpu` (or `as_gpu=True` on the runners) makes a capped process
 behave as Keras and TensorFlow do on a GPU, the path users take: the
 allocator holds the whole cap as one region from the start (TensorFlow's
-GPU allocator without memory growth), and `jit_compile="auto"` compiles
-the step with XLA wherever the model supports it.
+GPU allocator without memory growth), `jit_compile="auto"` compiles
+the step with XLA wherever the model supports it, and ops run one at a
+time, as TensorFlow runs a GPU's kernels.
 """
 
 import json
@@ -33,7 +34,7 @@ _gpu_jit = None
 def act_as_gpu():
     """Makes this process's capped CPU behave as Keras and TensorFlow on a GPU.
 
-    Two things differ between the capped CPU and a GPU, and both change
+    Three things differ between the capped CPU and a GPU, and all change
     what fits:
 
     - TensorFlow's GPU allocator takes the whole memory as one region at
@@ -44,12 +45,19 @@ def act_as_gpu():
     - Keras resolves `jit_compile="auto"` to XLA wherever a GPU is present
       and the model supports it (not under a `tf.distribute` strategy), and
       to no XLA on a CPU-only machine. From now on it resolves as on a GPU.
+    - TensorFlow runs a GPU's kernels inline, one after another in the
+      order its executor readies them; on the CPU, independent ops run at
+      once on the inter-op thread pool and keep more tensors alive
+      together, by a share that changes from run to run and is largest at
+      small batches, where ops are short. This sets one inter-op thread,
+      so ops run one at a time as on a GPU.
 
     Call it once, at the start of a process whose allocator is capped
-    (`memory_cap_env`), before models are compiled.
+    (`memory_cap_env`), before TensorFlow runs its first op.
 
     Raises:
-        RuntimeError: If the process's CPU allocator is not capped.
+        RuntimeError: If the process's CPU allocator is not capped, or
+            TensorFlow already runs ops on more than one inter-op thread.
 
     Example:
 
@@ -60,10 +68,23 @@ def act_as_gpu():
     ```
     """
     global _gpu_jit
+    import tensorflow as tf
+
     from keras_memguard.backends.tensorflow import region
     from keras_memguard.backends.tensorflow.probe import AllocatorProbe
     from keras_memguard.backends import compat
 
+    if tf.config.threading.get_inter_op_parallelism_threads() != 1:
+        try:
+            tf.config.threading.set_inter_op_parallelism_threads(1)
+        except RuntimeError:
+            raise RuntimeError(
+                "act_as_gpu must run before TensorFlow runs its first op: "
+                "TensorFlow then fixes its inter-op threads, and a GPU runs "
+                "one op at a time. Received: "
+                f"{tf.config.threading.get_inter_op_parallelism_threads()} "
+                "inter-op threads (0: one per core)"
+            ) from None
     probe = AllocatorProbe()
     if probe.mode != "bfc":
         raise RuntimeError(
