@@ -122,23 +122,42 @@ def _accumulators_run(mode, shape, *more, memory_limit_mib=150, env=None):
     )
 
 
+# One inter-op thread: TensorFlow runs the step's ops one at a time, as it
+# runs a GPU's kernels, so what is alive together is the same from run to run
+# (on the CPU's thread pool an update can free a gradient early or late).
+_IN_ORDER = {"TF_NUM_INTEROP_THREADS": "1"}
+
+
 def test_a_refusal_names_the_accumulators_when_they_are_what_does_not_fit():
-    # The eight-layer MLP: the weights, Adam's slots and the inputs take 97
-    # MiB of 130, the accumulators 32 MiB more, so no micro-batch fits
-    # beside them; without them one layer's gradient (4 MiB) is all the
-    # update holds. (The two-layer MLP of the tests below accumulates
+    # The eight-layer MLP: the weights, Adam's slots and the inputs take
+    # 97-99 MiB of 130, the accumulators 32 MiB more, so no micro-batch fits
+    # beside them. (The two-layer MLP of the tests below accumulates
     # within a few MiB of its plain peak: under 150 MiB it ran out of
     # memory in 2 runs of 2 here and trained every batch on a busier CPU,
     # see bench/RESULTS.md.)
-    result = _accumulators_run("accumulate", "deep", memory_limit_mib=130).result
+    result = _accumulators_run("accumulate", "deep", memory_limit_mib=130, env=_IN_ORDER).result
     assert result["error"] is not None, result
     error = result["error"]
     assert error.startswith("MicroBatchTooLargeError: Accumulating gradients does not fit"), error
     assert "does not fit in device memory: the batch" not in error
     assert "the accumulators take 32.1 MiB" in error, error
     assert 'mode=\\"shrink\\"' in error or 'mode="shrink"' in error, error
-    # What the message offers trains every batch.
-    shrink = _accumulators_run("shrink", "deep", memory_limit_mib=130).result
+
+
+def test_a_refusal_at_one_sample_says_what_the_accumulators_took():
+    # Under 165 MiB the accumulators leave 34 MiB, as much as a micro-batch's
+    # gradients, but not its update's temporaries beside them: one sample
+    # does not fit, and the text says what trains without the accumulators.
+    # Under 150 MiB the model's plain step did not fit.
+    result = _accumulators_run("accumulate", "deep", memory_limit_mib=165, env=_IN_ORDER).result
+    error = result["error"]
+    assert error is not None and error.startswith(
+        "MicroBatchTooLargeError: A micro-batch of a single sample does not fit"
+    ), result
+    assert "the accumulators took 32.1 MiB" in error, error
+    assert 'mode=\\"shrink\\"' in error or 'mode="shrink"' in error, error
+    # What the text offers trains every batch.
+    shrink = _accumulators_run("shrink", "deep", memory_limit_mib=165, env=_IN_ORDER).result
     assert shrink["error"] is None and shrink["batches"] == 2, shrink
 
 
@@ -150,6 +169,13 @@ def test_a_refusal_says_nothing_is_left_where_the_accumulators_pass_the_limit():
     assert "which leaves nothing of the 130.0 MiB limit" in message, message
     message = too_large(16, 16, None, 140 * mib, accumulation=(105 * mib, 32 * mib))
     assert "which leaves 3.0 MiB of the 140.0 MiB limit" in message, message
+    # Room for the micro-batch's gradients left, and still no sample fit:
+    # the text says what the accumulators took; a step without them, none.
+    message = too_large(16, 16, None, 180 * mib, accumulation=(105 * mib, 32 * mib))
+    assert message.startswith("A micro-batch of a single sample does not fit"), message
+    assert "the accumulators took 32.0 MiB" in message and 'mode="shrink"' in message, message
+    assert "accumulators" not in too_large(16, 16, None, 180 * mib), message
+    assert "accumulators" not in too_large(16, 16, None, 180 * mib, accumulation=(105 * mib, 0))
 
 
 @pytest.mark.parametrize("jit", ["off", "xla"])

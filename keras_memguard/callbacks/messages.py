@@ -237,10 +237,21 @@ def too_large(
     `NO_RUNGS` it mentions no rung. `accumulation` is `(in_use_bytes,
     accumulator_bytes)` of an accumulating step: where the accumulators
     leave less room than they take, the text says that accumulation is what
-    does not fit, and what trains instead.
+    does not fit, and what trains instead; where they left more, a step's
+    gradients and its optimizer's update may still need more than the rest
+    (all of them at once where ops run one at a time, as on a GPU), so the
+    text says what they took and what trains without them.
     """
+    accumulated = ""
     if accumulation is not None and limit:
         in_use, accumulators = accumulation
+        if accumulators:
+            accumulated = (
+                f" The step accumulated gradients: the accumulators took "
+                f"{_mib(accumulators)} of it (one per trainable weight), and "
+                "`MemoryGuard(mode=\"shrink\")` trains without them (one update "
+                "per micro-batch)."
+            )
         if not accumulation_fits(in_use, accumulators, limit):
             return (
                 f"Accumulating gradients does not fit in device memory: "
@@ -276,7 +287,7 @@ def too_large(
         f"A micro-batch of a single sample does not fit in device memory: the "
         f"batch of {_samples(batch_size)} ran out of "
         f"memory even at {counted}. Measured peak before the failure: "
-        f"{_mib(peak)}; memory limit: {_mib(limit)}.{tried} HINT: use mixed precision "
+        f"{_mib(peak)}; memory limit: {_mib(limit)}.{tried}{accumulated} HINT: use mixed precision "
         "(keras.mixed_precision.set_global_policy('mixed_float16')), a smaller "
         "model or input size, or a device with more memory (a larger memory "
         "limit)."
