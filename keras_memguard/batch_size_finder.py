@@ -44,9 +44,10 @@ before the first trial (on PyTorch, whose CPU memory a trial freed may
 stay with the process), so what an earlier trial left behind does not
 shrink the answer. Without a
 compiled step the answer is the largest batch that ran under the target,
-at most `tolerance` below the smallest that did not: at the very top, a
-batch trains or not depending on where the prefetched batches land, and a
-trial there may still run out of memory (recovered). Where none failed,
+at least a tenth (or `tolerance`, if larger) below the smallest that did
+not: at the very top, a batch trains or not depending on where the
+prefetched batches and the step's buffers land, and a trial there may
+still run out of memory (recovered). Where none failed,
 it is the largest batch that ran when the search stopped with the peaks
 still growing (the target is then within `tolerance` of it, and its own
 peak is under the target), and `tolerance` below it when a larger trial
@@ -109,6 +110,12 @@ MAX_GROWTH = 64
 # fail after two ran, and a step's peak can grow over the first steps by a
 # quarter (bench/RESULTS.md).
 TRIAL_STEPS = 4
+# Below the smallest batch that failed (ran out of memory or peaked above
+# the target), the answer leaves at least this share: a fresh `fit` lays
+# its buffers out anew, and where the free memory splits differently a
+# batch 7-9% under that edge ran out of memory in a fresh process
+# (bench/RESULTS.md).
+FRESH_FIT_MARGIN = 0.1
 
 
 class BatchTrial(NamedTuple):
@@ -145,8 +152,9 @@ class BatchSizeResult(NamedTuple):
             where no step runs), the largest
             whose compiled step fits under `threshold` of the limit (a step
             at it ran on TensorFlow). Otherwise the largest batch whose
-            trial steps ran under `threshold` of the limit, at most
-            `tolerance` below the smallest that did not (where none did:
+            trial steps ran under `threshold` of the limit, at least a
+            tenth (or `tolerance`, if larger) below the smallest that did
+            not (where none did:
             that batch, or `tolerance` below it when the peaks stopped
             growing; on PyTorch, that batch): at the very top, whether a
             batch trains depends on where the input pipeline's batches
@@ -369,7 +377,12 @@ def find_batch_size(
                 # above the line through the trials before it
                 # (bench/RESULTS.md), so a line would also stop short of it.
                 middle = (best[0] + failed) // 2
-                if compiled or middle <= best[0] * (1.0 + tolerance):
+                gain = best[0] * (1.0 + tolerance)
+                if backend.TOP_VARIES and middle >= _below_failure(failed, tolerance):
+                    # Nothing larger is answered (the margin below a
+                    # failure): that batch next, if any larger than the best.
+                    middle, gain = _below_failure(failed, tolerance), best[0]
+                if compiled or middle <= gain:
                     break
                 size, predicted = middle, None
                 continue
@@ -447,15 +460,19 @@ def find_batch_size(
         and (failed is not None or not edge_in_reach)
     ):
         # At the top, whether a batch trains depends on where the input
-        # pipeline's prefetched batches land in memory: the same batch can
-        # run in one fresh process and fail in the next. `tolerance` below
-        # the edge is the margin for that: below the smallest batch that
-        # failed or peaked above the target where one did, else below the
+        # pipeline's prefetched batches and the step's buffers land in
+        # memory: the same batch can run in one fresh process and fail in
+        # the next. The margin for that: `FRESH_FIT_MARGIN` (or
+        # `tolerance`, if larger) below the smallest batch that failed or
+        # peaked above the target where one did, else `tolerance` below the
         # largest that ran, unless the search stopped with the target
         # within `tolerance` and the peaks still growing (the largest
         # trial's own peak under the target is the margin then).
-        edge = failed if failed is not None else largest
-        largest = max(1, min(largest, int(edge * (1.0 - tolerance))))
+        if failed is not None:
+            edge = _below_failure(failed, tolerance)
+        else:
+            edge = int(largest * (1.0 - tolerance))
+        largest = max(1, min(largest, edge))
     micro_batches = None
     if batch_size is not None:
         decided, _ = decider.plan(
@@ -481,6 +498,11 @@ def find_batch_size(
         trials=tuple(trials),
         out_of_memory_errors=errors,
     )
+
+
+def _below_failure(failed, tolerance):
+    """The largest batch answered below `failed`, a batch that did not fit."""
+    return int(failed * (1.0 - max(tolerance, FRESH_FIT_MARGIN)))
 
 
 def _in_use_now(probe):
