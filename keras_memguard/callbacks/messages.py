@@ -248,7 +248,7 @@ def too_large(
         if accumulators:
             accumulated = (
                 f" The step accumulated gradients: the accumulators took "
-                f"{_mib(accumulators)} of it (one per trainable weight), and "
+                f"{_mib(accumulators)} of the limit (one per trainable weight), and "
                 "`MemoryGuard(mode=\"shrink\")` trains without them (one update "
                 "per micro-batch)."
             )
