@@ -378,10 +378,11 @@ def find_batch_size(
                 # (bench/RESULTS.md), so a line would also stop short of it.
                 middle = (best[0] + failed) // 2
                 gain = best[0] * (1.0 + tolerance)
-                if backend.TOP_VARIES and middle >= _below_failure(failed, tolerance):
+                ceiling = _below_failure(failed, tolerance)
+                if backend.TOP_VARIES and middle >= ceiling:
                     # Nothing larger is answered (the margin below a
                     # failure): that batch next, if any larger than the best.
-                    middle, gain = _below_failure(failed, tolerance), best[0]
+                    middle, gain = ceiling, best[0]
                 if compiled or middle <= gain:
                     break
                 size, predicted = middle, None

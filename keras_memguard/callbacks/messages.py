@@ -242,16 +242,8 @@ def too_large(
     (all of them at once where ops run one at a time, as on a GPU), so the
     text says what they took and what trains without them.
     """
-    accumulated = ""
     if accumulation is not None and limit:
         in_use, accumulators = accumulation
-        if accumulators:
-            accumulated = (
-                f" The step accumulated gradients: the accumulators took "
-                f"{_mib(accumulators)} of the limit (one per trainable weight), and "
-                "`MemoryGuard(mode=\"shrink\")` trains without them (one update "
-                "per micro-batch)."
-            )
         if not accumulation_fits(in_use, accumulators, limit):
             return (
                 f"Accumulating gradients does not fit in device memory: "
@@ -268,6 +260,14 @@ def too_large(
                 "smaller `batch_size` to `fit`; mixed precision halves the "
                 "accumulators."
             )
+    accumulated = ""
+    if accumulation is not None and limit and accumulation[1]:
+        accumulated = (
+            f" The step accumulated gradients: the accumulators took "
+            f"{_mib(accumulation[1])} of the limit (one per trainable weight), and "
+            "`MemoryGuard(mode=\"shrink\")` trains without them (one update "
+            "per micro-batch)."
+        )
     counted = micro_batches_text(micro_batches)
     tried = f" Tried: {counted} of one sample"
     if rungs_tried:
