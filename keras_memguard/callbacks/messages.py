@@ -240,7 +240,9 @@ def too_large(
     does not fit, and what trains instead; where they left more, a step's
     gradients and its optimizer's update may still need more than the rest
     (all of them at once where ops run one at a time, as on a GPU), so the
-    text says what they took and what trains without them.
+    text says what they took and what may fit without them: a step
+    without accumulators holds every gradient until its update, so where
+    activations, not the accumulators, take the room, it need not fit.
     """
     if accumulation is not None and limit:
         in_use, accumulators = accumulation
@@ -264,8 +266,8 @@ def too_large(
     if accumulation is not None and limit and accumulation[1]:
         accumulated = (
             f" The step accumulated gradients: the accumulators took "
-            f"{_mib(accumulation[1])} of the limit (one per trainable weight), and "
-            "`MemoryGuard(mode=\"shrink\")` trains without them (one update "
+            f"{_mib(accumulation[1])} of the limit (one per trainable weight); "
+            "without them, `MemoryGuard(mode=\"shrink\")` may fit (one update "
             "per micro-batch)."
         )
     counted = micro_batches_text(micro_batches)
