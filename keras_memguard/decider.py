@@ -631,6 +631,27 @@ def _count_for(config, state, batch_size, sample_size, budget):
     return max(low, min(high, -(-batch_size // largest_micro))), True
 
 
+def _count_near_floor(config, state, batch, in_use_bytes):
+    """The count for a batch that no count fits under the target.
+
+    The smallest count predicted within `HYSTERESIS` of the limit of the
+    lowest demand (one sample per micro-batch) and under the limit's
+    midpoint with the target: where the demand hardly falls with the
+    micro-batch (memory that does not shrink with it), one sample per
+    micro-batch would slow every step for what it cannot save.
+    """
+    batch_size, sample_size, limit = batch.batch_size, batch.sample_size, batch.limit_bytes
+    _, high = _bounds(config, batch_size)
+    lowest = predict_demand(state, -(-batch_size // high) * sample_size)
+    if lowest is None:
+        return high
+    budget = min(
+        lowest + HYSTERESIS * limit,
+        (1.0 + config.threshold) / 2 * limit - in_use_bytes,
+    )
+    return _count_for(config, state, batch_size, sample_size, budget)[0]
+
+
 def _remembered(state, shape):
     for known, k in state.shapes:
         if known == shape:
@@ -761,6 +782,8 @@ def plan(config, state, batch):
     in_use = state.outside_bytes if planned_in_use is None else planned_in_use
     target = config.threshold * batch.limit_bytes
     k, fits = _count_for(config, state, batch_size, batch.sample_size, target - in_use)
+    if not fits:
+        k = _count_near_floor(config, state, batch, in_use)
     ran_with = _remembered(state, shape)
     if len(state.readings) == 1 and not state.failures:
         # One reading cannot tell memory that grows with the micro-batch
@@ -794,8 +817,13 @@ def plan(config, state, batch):
             f"measured peak {_percent(measured)} of {_mib(batch.limit_bytes)} "
             f"under target {_percent(config.threshold)} at this count"
         )
-    elif not fits:
+    elif not fits and k == high:
         why = "one sample per micro-batch: still over the target"
+    elif not fits:
+        why = (
+            f"over the target at any count; more than {micro_batches_text(k)} "
+            f"would save under {_percent(HYSTERESIS)} of {_mib(batch.limit_bytes)}"
+        )
     elif k == previous:
         why = HELD  # the words only for a change: this runs every batch
     else:

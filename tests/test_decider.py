@@ -480,3 +480,26 @@ def test_a_replay_without_figures_halves_the_micro_batch_and_stops_at_one_sample
     capped = decider.make_config(max_micro_batches=4)
     decided, _ = decider.fail_without_figures(capped, decider.init(capped), 64, 4)
     assert decided.cannot_split == decider.CANNOT_SPLIT_CAP
+
+
+def test_where_no_count_fits_it_splits_only_while_the_demand_still_falls():
+    # A step whose demand hardly shrinks with the micro-batch (60 MiB at 8
+    # samples, 60.5 at 16), with 485 MiB in use before it: no count meets
+    # the 90% target, and one sample per micro-batch would save 4 MiB at
+    # 128 times the steps.
+    config = decider.make_config()
+    state = decider.init(config)._replace(readings=((8.0, 60 * MIB), (16.0, 60.5 * MIB)))
+    decided, _ = decider.plan(config, state, Batch(128, 1.0, 485 * MIB, LIMIT))
+    # 4: micro-batches of 32, twice the largest measured.
+    assert decided.micro_batches == 4, decided
+    assert decided.reason.startswith("over the target at any count"), decided.reason
+    # Where the demand falls with the micro-batch (5 MiB a sample), it
+    # splits until the step is predicted under 95% of the limit...
+    state = decider.init(config)._replace(readings=((8.0, 60 * MIB), (16.0, 100 * MIB)))
+    decided, _ = decider.plan(config, state, Batch(128, 1.0, 521 * MIB, LIMIT))
+    assert decided.micro_batches == 26, decided
+    assert decided.predicted_usage < 0.95, decided
+    # ... down to one sample where nothing more is under it.
+    decided, _ = decider.plan(config, state, Batch(128, 1.0, 542 * MIB, LIMIT))
+    assert decided.micro_batches == 128, decided
+    assert decided.reason.startswith("one sample per micro-batch"), decided.reason

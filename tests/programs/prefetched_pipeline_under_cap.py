@@ -18,7 +18,7 @@ import tensorflow as tf
 
 import keras_memguard
 from keras_memguard.testing import emit_result
-from programs.common import MicroBatchCounts, SampleCount, cnn
+from programs.common import MicroBatchCounts, SampleCount, cnn, collect_package_messages
 
 BATCH = 128
 STEPS = 8
@@ -52,7 +52,8 @@ def dataset():
 
 
 def guarded_run():
-    """One `fit` with `MemoryGuard()`: samples, errors, counts, seconds."""
+    """One `fit` with `MemoryGuard()`: samples, errors, counts, seconds, log lines."""
+    messages = collect_package_messages()
     ks = MicroBatchCounts()
     guard = keras_memguard.MemoryGuard()
     model, data = make_model(), dataset()
@@ -63,6 +64,7 @@ def guarded_run():
         "oom_recoveries": guard.oom_recoveries,
         "ks": ks.ks,
         "seconds": round(time.perf_counter() - start, 1),
+        "messages": list(messages),
     }
 
 
