@@ -634,11 +634,12 @@ def _count_for(config, state, batch_size, sample_size, budget):
 def _count_near_floor(config, state, batch, in_use_bytes):
     """The count for a batch that no count fits under the target.
 
-    The smallest count predicted within `HYSTERESIS` of the limit of the
-    lowest demand (one sample per micro-batch) and under the limit's
-    midpoint with the target: where the demand hardly falls with the
-    micro-batch (memory that does not shrink with it), one sample per
-    micro-batch would slow every step for what it cannot save.
+    The smallest count whose predicted demand is within `HYSTERESIS` of
+    the limit of the lowest (one sample per micro-batch) and whose peak is
+    predicted under the midpoint of the target and the limit: where the
+    demand hardly falls with the micro-batch (memory that does not shrink
+    with it), one sample per micro-batch would slow every step for what it
+    cannot save.
     """
     batch_size, sample_size, limit = batch.batch_size, batch.sample_size, batch.limit_bytes
     _, high = _bounds(config, batch_size)

@@ -62,7 +62,8 @@ def main():
     width, depth, batch_size, samples, timesteps, optimizer = SHAPES[shape]
     messages = collect_package_messages()
     rng = np.random.default_rng(0)
-    x = rng.random((samples,) + ((width,) if timesteps is None else (timesteps, width)), dtype="float32")
+    sample = (width,) if timesteps is None else (timesteps, width)
+    x = rng.random((samples,) + sample, dtype="float32")
     y = rng.integers(0, 10, samples)
     model = mlp(width, depth, timesteps, optimizer, jit_compile=sys.argv[3:] == ["xla"])
     guard = keras_memguard.MemoryGuard(mode=mode, plan_cache=False)
