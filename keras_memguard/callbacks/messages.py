@@ -244,6 +244,7 @@ def too_large(
     without accumulators holds every gradient until its update, so where
     activations, not the accumulators, take the room, it need not fit.
     """
+    accumulated = ""
     if accumulation is not None and limit:
         in_use, accumulators = accumulation
         if not accumulation_fits(in_use, accumulators, limit):
@@ -262,14 +263,13 @@ def too_large(
                 "smaller `batch_size` to `fit`; mixed precision halves the "
                 "accumulators."
             )
-    accumulated = ""
-    if accumulation is not None and limit and accumulation[1]:
-        accumulated = (
-            f" The step accumulated gradients: the accumulators took "
-            f"{_mib(accumulation[1])} of the limit (one per trainable weight); "
-            "without them, `MemoryGuard(mode=\"shrink\")` may fit (one update "
-            "per micro-batch)."
-        )
+        if accumulators:
+            accumulated = (
+                f" The step accumulated gradients: the accumulators took "
+                f"{_mib(accumulators)} of the limit (one per trainable weight); "
+                "without them, `MemoryGuard(mode=\"shrink\")` may fit (one update "
+                "per micro-batch)."
+            )
     counted = micro_batches_text(micro_batches)
     tried = f" Tried: {counted} of one sample"
     if rungs_tried:
