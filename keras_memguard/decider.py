@@ -42,13 +42,15 @@ remembers the count it ran with. It raises `k` at once when the batch is
 predicted not to fit; it lowers `k` only to a count predicted to fit with
 `HYSTERESIS` of the limit to spare, so a usage hovering near the threshold
 cannot make `k` flap, and batches of other sizes do not re-plan the shape.
-It does not raise `k` above the count the shape ran with while every batch
-measured at that count peaked under the target with as much memory in use
-before it as now: the model adds the highest demand to the highest memory
-in use, which never came together where an input pipeline's buffers fill
+It does not raise `k` above the count the shape ran with while the batches
+measured at that count peaked under the target, and under the midpoint of
+the target and the limit with whatever more memory is in use now than
+before them: the model adds the highest demand to the highest memory in
+use, which never came together where an input pipeline's buffers fill
 before one step and during the next, and where the step's demand hardly
 shrinks with the micro-batch that sum swings around the target from batch
-to batch and would ratchet `k` up by noise alone.
+to batch and would ratchet `k` up by noise alone (one more prefetched
+batch, where the count ran just under the target).
 
 **Reacting** (`predictive=False`, or several workers that agree on each
 batch's numbers after it ran) is a configuration: `plan` keeps the count,
@@ -648,7 +650,7 @@ def _count_near_floor(config, state, batch, in_use_bytes):
         return high
     budget = min(
         lowest + HYSTERESIS * limit,
-        (1.0 + config.threshold) / 2 * limit - in_use_bytes,
+        _ceiling(config) * limit - in_use_bytes,
     )
     return _count_for(config, state, batch_size, sample_size, budget)[0]
 
@@ -816,7 +818,8 @@ def plan(config, state, batch):
     if measured is not None:
         why = HELD if k == previous else (
             f"measured peak {_percent(measured)} of {_mib(batch.limit_bytes)} "
-            f"under target {_percent(config.threshold)} at this count"
+            f"at this count, with the memory in use now: under "
+            f"{_percent(_ceiling(config))}"
         )
     elif not fits and k == high:
         why = "one sample per micro-batch: still over the target"
@@ -839,8 +842,12 @@ def _measured_usage(config, state, batch, k):
     """The usage measured at `k` for this batch, when it says `k` fits; else `None`.
 
     The highest peak of the batches that ran at the same work, plus however
-    much more memory is in use now than before any of them, when that stays
-    under the target and no failure happened at or below the work.
+    much more memory is in use now than before any of them, when that peak
+    was under the target, the sum stays under the midpoint of the target
+    and the limit, and no failure happened at or below the work. The sum
+    overstates: a pipeline's buffer that is full before this batch filled
+    during the measured one, so its peak already held most of it; a count
+    that ran just under the target is not raised for a buffer more.
     """
     if batch.in_use_bytes is None:
         return None
@@ -849,8 +856,15 @@ def _measured_usage(config, state, batch, k):
     if entry is None or any(failed <= work for failed, _ in state.failures):
         return None
     _, peak, before = entry
+    if peak >= config.threshold * batch.limit_bytes:
+        return None
     usage = (peak + max(0.0, batch.in_use_bytes - before)) / batch.limit_bytes
-    return usage if usage < config.threshold else None
+    return usage if usage < _ceiling(config) else None
+
+
+def _ceiling(config):
+    """The usage no plan goes past: the midpoint of the target and the limit."""
+    return (1.0 + config.threshold) / 2
 
 
 def _splitting_can_make_room(failure, before):

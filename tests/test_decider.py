@@ -455,6 +455,26 @@ def test_a_count_is_still_raised_when_more_memory_is_in_use_than_it_was_measured
     assert decided.micro_batches > k and decided.reason != decider.HELD, (ks, decided)
 
 
+def test_a_count_run_just_under_the_target_is_held_beside_one_more_prefetched_batch():
+    # The prefetched pipeline under its real 89 MiB cap: 16 micro-batches
+    # peaked at 79.3 MiB, under the 80.1 MiB target. One more 1.5 MiB batch
+    # buffered before a step put the measured peak plus the memory in use
+    # 0.8 MiB over the target, and the count went to 43 (22 on a slower
+    # machine) for the rest of the run, for a demand that hardly shrinks.
+    config, limit = decider.make_config(), 89 * MIB
+    state = decider.init(config)
+    for k, before, peak in [(8, 19.8, 84.6), (16, 18.4, 79.3), (16, 19.8, 79.2), (16, 19.8, 79.3)]:
+        decided, state = decider.plan(config, state, Batch(128, 1.0, before * MIB, limit))
+        assert decided.micro_batches == k, decided
+        state = decider.observe(config, state, Reading(128, k, 1.0, before * MIB, peak * MIB, limit))[1]
+    for in_use in (21.3, 24.0):
+        decided, _ = decider.plan(config, state, Batch(128, 1.0, in_use * MIB, limit))
+        assert (decided.micro_batches, decided.reason) == (16, decider.HELD), (in_use, decided)
+    # Past the midpoint of the target and the limit (95%), the model decides.
+    decided, _ = decider.plan(config, state, Batch(128, 1.0, 26 * MIB, limit))
+    assert decided.micro_batches > 16, decided
+
+
 def test_peaks_round_trip_and_older_files_without_them_load():
     ks, state = _prefetching_run(1)
     data = json.loads(json.dumps(decider.to_dict(state)))
