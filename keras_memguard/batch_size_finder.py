@@ -304,7 +304,8 @@ def find_batch_size(
     errors = 0
     best = None  # (batch_size, peak, predicted)
     failed = None  # The smallest batch that ran out of memory.
-    edge_in_reach = False
+    # Where the line through peaks that still grow reaches the target.
+    line_edge = None
     try:
         size = int(min(FIRST_TRIAL, upper))
         predicted = None
@@ -413,7 +414,8 @@ def find_batch_size(
             if largest <= measured * (1.0 + tolerance) or largest < 1:
                 # The target is within `tolerance` of the largest batch
                 # that ran, by a line through peaks that still grow.
-                edge_in_reach = not stalled
+                if not stalled and best is not None:
+                    line_edge = _line_edge(best, slope, target, largest, upper, bound)
                 break
             if stalled:
                 # A larger batch peaked no higher: a block the allocator
@@ -456,21 +458,20 @@ def find_batch_size(
     fitted = _line(state)
     last_in_use = trials[-1].in_use_bytes
     largest, peak, predicted = best
-    if (
-        not compiled and backend.TOP_VARIES and largest > 1
-        and (failed is not None or not edge_in_reach)
-    ):
+    if not compiled and backend.TOP_VARIES and largest > 1:
         # At the top, whether a batch trains depends on where the input
         # pipeline's prefetched batches and the step's buffers land in
         # memory: the same batch can run in one fresh process and fail in
         # the next. The margin for that: `FRESH_FIT_MARGIN` (or
         # `tolerance`, if larger) below the smallest batch that failed or
-        # peaked above the target where one did, else `tolerance` below the
-        # largest that ran, unless the search stopped with the target
-        # within `tolerance` and the peaks still growing (the largest
-        # trial's own peak under the target is the margin then).
+        # peaked above the target where one did, else below where the line
+        # through peaks that still grow reaches the target, else (a larger
+        # trial peaked no higher: the allocator's rounding) `tolerance`
+        # below the largest that ran.
         if failed is not None:
             edge = _below_failure(failed, tolerance)
+        elif line_edge is not None:
+            edge = _below_failure(line_edge, tolerance)
         else:
             edge = int(largest * (1.0 - tolerance))
         largest = max(1, min(largest, edge))
@@ -504,6 +505,25 @@ def find_batch_size(
 def _below_failure(failed, tolerance):
     """The largest batch answered below `failed`, a batch that did not fit."""
     return int(failed * (1.0 - max(tolerance, FRESH_FIT_MARGIN)))
+
+
+def _line_edge(best, slope, target, largest, upper, bound):
+    """The batch, fractional, at which the trials' peaks reach `target`, or `None`.
+
+    Along the secant through the last trials; where there is none yet, the
+    decider's line (`largest`, its largest batch under the target, unless
+    `upper` capped it). Never below the largest trial that ran, never past
+    the proportional `bound`; `None` where nothing says the target is near
+    (a peak that did not rise, a search capped by `upper`).
+    """
+    if slope is None:
+        edge = largest if largest < upper else bound
+    elif slope > 0:
+        edge = best[0] + max(target - best[1], 0.0) / slope
+    else:
+        edge = bound
+    edge = min(edge, bound)
+    return None if edge == float("inf") else max(edge, float(best[0]))
 
 
 def _in_use_now(probe):
