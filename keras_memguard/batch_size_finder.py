@@ -462,16 +462,20 @@ def find_batch_size(
         # At the top, whether a batch trains depends on where the input
         # pipeline's prefetched batches and the step's buffers land in
         # memory: the same batch can run in one fresh process and fail in
-        # the next. The margin for that: `FRESH_FIT_MARGIN` (or
-        # `tolerance`, if larger) below the smallest batch that failed or
-        # peaked above the target where one did, else below where the line
-        # through peaks that still grow reaches the target, else (a larger
-        # trial peaked no higher: the allocator's rounding) `tolerance`
-        # below the largest that ran.
+        # the next, and a trial a few MiB under the target is at that edge.
+        # The margin for that: `FRESH_FIT_MARGIN` (or `tolerance`, if
+        # larger) below the smallest batch that failed or peaked above the
+        # target where one did, else below the largest that ran where the
+        # line through peaks that still grow puts the target within
+        # `tolerance` of it (below where the line reaches the target, where
+        # only `max_batch_size` stopped the search), else (a larger trial
+        # peaked no higher: the allocator's rounding) `tolerance` below the
+        # largest that ran.
         if failed is not None:
             edge = _below_failure(failed, tolerance)
         elif line_edge is not None:
-            edge = _below_failure(line_edge, tolerance)
+            at_edge = line_edge <= largest * (1.0 + tolerance)
+            edge = _below_failure(largest if at_edge else line_edge, tolerance)
         else:
             edge = int(largest * (1.0 - tolerance))
         largest = max(1, min(largest, edge))
