@@ -458,27 +458,8 @@ def find_batch_size(
     fitted = _line(state)
     last_in_use = trials[-1].in_use_bytes
     largest, peak, predicted = best
-    if not compiled and backend.TOP_VARIES and largest > 1:
-        # At the top, whether a batch trains depends on where the input
-        # pipeline's prefetched batches and the step's buffers land in
-        # memory: the same batch can run in one fresh process and fail in
-        # the next, and a trial a few MiB under the target is at that edge.
-        # The margin for that: `FRESH_FIT_MARGIN` (or `tolerance`, if
-        # larger) below the smallest batch that failed or peaked above the
-        # target where one did, else below the largest that ran where the
-        # line through peaks that still grow puts the target within
-        # `tolerance` of it (below where the line reaches the target, where
-        # only `max_batch_size` stopped the search), else (a larger trial
-        # peaked no higher: the allocator's rounding) `tolerance` below the
-        # largest that ran.
-        if failed is not None:
-            edge = _below_failure(failed, tolerance)
-        elif line_edge is not None:
-            at_edge = line_edge <= largest * (1.0 + tolerance)
-            edge = _below_failure(largest if at_edge else line_edge, tolerance)
-        else:
-            edge = int(largest * (1.0 - tolerance))
-        largest = max(1, min(largest, edge))
+    if not compiled and backend.TOP_VARIES:
+        largest = _answer_below_edge(largest, failed, line_edge, tolerance)
     micro_batches = None
     if batch_size is not None:
         decided, _ = decider.plan(
@@ -509,6 +490,33 @@ def find_batch_size(
 def _below_failure(failed, tolerance):
     """The largest batch answered below `failed`, a batch that did not fit."""
     return int(failed * (1.0 - max(tolerance, FRESH_FIT_MARGIN)))
+
+
+def _answer_below_edge(largest, failed, line_edge, tolerance):
+    """The answer under `largest`, the largest trial that ran, without XLA.
+
+    At the top, whether a batch trains depends on where the input
+    pipeline's prefetched batches and the step's buffers land in memory:
+    the same batch can run in one fresh process and fail in the next, and
+    a trial a few MiB under the target is at that edge. The margin for
+    that: `FRESH_FIT_MARGIN` (or `tolerance`, if larger) below the smallest
+    batch that failed or peaked above the target (`failed`) where one did,
+    else below the largest that ran where the line through peaks that
+    still grow puts the target within `tolerance` of it (below `line_edge`,
+    where the line reaches the target, when only `max_batch_size` stopped
+    the search), else (a larger trial peaked no higher: the allocator's
+    rounding) `tolerance` below the largest that ran.
+    """
+    if largest <= 1:
+        return largest
+    if failed is not None:
+        edge = _below_failure(failed, tolerance)
+    elif line_edge is not None:
+        at_edge = line_edge <= largest * (1.0 + tolerance)
+        edge = _below_failure(largest if at_edge else line_edge, tolerance)
+    else:
+        edge = int(largest * (1.0 - tolerance))
+    return max(1, min(largest, edge))
 
 
 def _line_edge(best, slope, target, largest, upper, bound):

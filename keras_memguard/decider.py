@@ -863,7 +863,8 @@ def _measured_usage(config, state, batch, k):
 
 
 def _ceiling(config):
-    """The usage no plan goes past: the midpoint of the target and the limit."""
+    """The midpoint of the target and the limit: the most a held count, or
+    a count where none fits the target, is let reach."""
     return (1.0 + config.threshold) / 2
 
 

@@ -137,6 +137,22 @@ def test_a_search_that_reaches_max_batch_size_answers_it():
     assert result.out_of_memory_errors == 0
 
 
+def test_the_answer_keeps_its_margin_below_a_trial_at_the_targets_edge():
+    from keras_memguard.batch_size_finder import _answer_below_edge
+
+    # A small Transformer under 400 MiB: trials 71: 279.1 and 84: 373.9 MiB
+    # put the 380 MiB target at 84.8, and a fresh `fit` at 84 ran out of
+    # memory where 76 trains every time. 10% below the largest trial.
+    assert _answer_below_edge(84, None, 84 + 6.1 / 7.3, 0.05) == 75
+    # 10% below a batch that failed, as before.
+    assert _answer_below_edge(84, 92, None, 0.05) == 82
+    # A search that `max_batch_size` stopped far under the target answers it.
+    assert _answer_below_edge(48, None, 120.0, 0.05) == 48
+    # A larger trial peaked no higher (the allocator's rounding): 5% below.
+    assert _answer_below_edge(13, None, None, 0.05) == 12
+    assert _answer_below_edge(1, 2, None, 0.05) == 1
+
+
 @pytest.mark.parametrize("samples", [3, 10, 40])
 def test_every_trial_runs_its_steps_on_arrays_of_any_length(samples):
     # A step's peak can grow over its first steps (a small Transformer's
