@@ -519,17 +519,17 @@ def _answer_below_edge(largest, failed, line_edge, tolerance):
     return max(1, min(largest, edge))
 
 
-def _line_edge(best, slope, target, largest, upper, bound):
+def _line_edge(best, slope, target, under_target, upper, bound):
     """The batch, fractional, at which the trials' peaks reach `target`, or `None`.
 
     Along the secant through the last trials; where there is none yet, the
-    decider's line (`largest`, its largest batch under the target, unless
+    decider's line (`under_target`, its largest batch under the target, unless
     `upper` capped it). Never below the largest trial that ran, never past
     the proportional `bound`; `None` where nothing says the target is near
     (a peak that did not rise, a search capped by `upper`).
     """
     if slope is None:
-        edge = largest if largest < upper else bound
+        edge = under_target if under_target < upper else bound
     elif slope > 0:
         edge = best[0] + max(target - best[1], 0.0) / slope
     else:
