@@ -198,6 +198,10 @@ class Reading(NamedTuple):
             (then the step's demand is its whole peak).
         peak_bytes: The batch's measured peak, or `None` when unknown.
         limit_bytes: The device memory limit in bytes.
+        after_bytes: Memory in use right after the batch, or `None`: what
+            came into use while the step ran and stayed (an input
+            pipeline's buffer filled during it) was there for its peak
+            most likely.
     """
 
     batch_size: int
@@ -206,6 +210,7 @@ class Reading(NamedTuple):
     before_bytes: Optional[float]
     peak_bytes: Optional[float]
     limit_bytes: float
+    after_bytes: Optional[float] = None
 
     @property
     def work(self):
@@ -307,11 +312,12 @@ class DeciderState(NamedTuple):
         oom_count: Training batches replayed after an out-of-memory error.
         eval_micro_batches: The count validation batches are sliced into.
         eval_oom_count: Validation batches that ran out of memory.
-        peaks: `(work, peak_bytes, before_bytes)` of batches that ran: the
-            highest peak measured at each work of `readings` and the most
-            memory in use before a batch of that work, or recently held
-            outside the step (`outside_bytes`) then: the evidence that a
-            count fits.
+        peaks: `(work, peak_bytes, before_bytes, after_bytes)` of batches
+            that ran: the highest peak measured at each work of `readings`,
+            the most memory in use before a batch of that work, or recently
+            held outside the step (`outside_bytes`) then, and the most in
+            use right after one (at least `before_bytes`): the evidence
+            that a count fits.
     """
 
     micro_batches: int
@@ -327,7 +333,7 @@ class DeciderState(NamedTuple):
     oom_count: int
     eval_micro_batches: int
     eval_oom_count: int
-    peaks: Tuple[Tuple[float, float, float], ...] = ()
+    peaks: Tuple[Tuple[float, float, float, float], ...] = ()
 
 
 def _is_int(value):
@@ -848,6 +854,13 @@ def _measured_usage(config, state, batch, k):
     overstates: a pipeline's buffer that is full before this batch filled
     during the measured one, so its peak already held most of it; a count
     that ran just under the target is not raised for a buffer more.
+
+    Where the sum passes the midpoint but stays under the limit, the memory
+    in use right after the measured batches counts as held by their peak:
+    the usage is the peak plus however much more is in use now than after
+    them, under the midpoint. Memory that came into use during a step and
+    stayed was most likely there at its peak; were it not, the step would
+    still peak at the sum, under the limit.
     """
     if batch.in_use_bytes is None:
         return None
@@ -855,11 +868,18 @@ def _measured_usage(config, state, batch, k):
     entry = next((entry for entry in state.peaks if entry[0] == work), None)
     if entry is None or any(failed <= work for failed, _ in state.failures):
         return None
-    _, peak, before = entry
-    if peak >= config.threshold * batch.limit_bytes:
+    _, peak, before, after = entry
+    limit = batch.limit_bytes
+    if peak >= config.threshold * limit:
         return None
-    usage = (peak + max(0.0, batch.in_use_bytes - before)) / batch.limit_bytes
-    return usage if usage < _ceiling(config) else None
+    ceiling = _ceiling(config)
+    usage = (peak + max(0.0, batch.in_use_bytes - before)) / limit
+    if usage < ceiling:
+        return usage
+    if usage >= 1.0:
+        return None
+    held = (peak + max(0.0, batch.in_use_bytes - after)) / limit
+    return held if held < ceiling else None
 
 
 def _ceiling(config):
@@ -884,17 +904,18 @@ def _splitting_can_make_room(failure, before):
     return held + failure.largest_free_bytes >= (failure.allocation_bytes or math.inf)
 
 
-def _record_peak(state, readings, work, peak, before):
-    """`state.peaks` with this batch's peak and memory in use before it."""
+def _record_peak(state, readings, work, peak, before, after):
+    """`state.peaks` with this batch's peak and memory in use around it."""
     peaks = state.peaks
     old = next((entry for entry in peaks if entry[0] == work), None)
-    if old is not None and old[1] >= peak and old[2] >= before:
+    after = max(before, after)
+    if old is not None and old[1] >= peak and old[2] >= before and old[3] >= after:
         return peaks
     if old is not None:
-        peak, before = max(peak, old[1]), max(before, old[2])
+        peak, before, after = max(peak, old[1]), max(before, old[2]), max(after, old[3])
     works = {w for w, _ in readings}
     kept = [entry for entry in peaks if entry[0] != work and entry[0] in works]
-    return tuple(sorted(kept + [(work, peak, before)]))
+    return tuple(sorted(kept + [(work, peak, before, after)]))
 
 
 def accumulation_fits(in_use_bytes, accumulator_bytes, limit_bytes):
@@ -997,7 +1018,10 @@ def observe(config, state, reading):
     # The memory outside the step that came and went in recent batches was
     # there around this one too (a pipeline's buffer fills before one step
     # or during it): the peak was measured with that much in use.
-    peaks = _record_peak(state, readings, work, float(peak), max(before, state.outside_bytes))
+    held = max(before, state.outside_bytes)
+    peaks = _record_peak(
+        state, readings, work, float(peak), held, float(reading.after_bytes or 0.0)
+    )
     outside = state.outside_bytes
     decay = OUTSIDE_DECAY * reading.limit_bytes
     if before > outside:
@@ -1420,16 +1444,18 @@ def from_dict(data):
     peaks = data.get("peaks", [])  # absent from files written before it
     if not isinstance(peaks, list) or len(peaks) > MAX_READINGS or not all(
         isinstance(entry, list)
-        and len(entry) == 3
+        and len(entry) in (3, 4)  # files written before `after` hold three
         and all(_is_real(v) and 0 <= v < math.inf for v in entry)
         for entry in peaks
     ):
         raise ValueError(
-            f"`peaks` must be a list of at most {MAX_READINGS} [work, peak, before] "
-            f"triples of numbers >= 0. Received: peaks={peaks!r}"
+            f"`peaks` must be a list of at most {MAX_READINGS} [work, peak, before, "
+            f"after] entries of numbers >= 0. Received: peaks={peaks!r}"
         )
     return DeciderState(
-        peaks=tuple(sorted(tuple(float(v) for v in entry) for entry in peaks)),
+        peaks=tuple(
+            sorted(tuple(float(v) for v in (entry + entry[2:])[:4]) for entry in peaks)
+        ),
         readings=_pairs(data, "readings", MAX_READINGS),
         failures=_pairs(data, "failures", MAX_FAILURES),
         failed_allocation=allocation,

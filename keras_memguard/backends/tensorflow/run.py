@@ -398,6 +398,9 @@ class TfTrainingRun:
                 # The same numbers at the same step on every worker.
                 peak, self._agreed_in_use = self._agreed_usage(samples)
                 limit = session.controller.limit_bytes
+                after = self._agreed_in_use
+            else:
+                after = self._in_use(samples)
             decided = session.controller.observe(
                 decider.Reading(
                     function.last_replica_batch_size or _UNKNOWN_BATCH_SIZE,
@@ -406,6 +409,7 @@ class TfTrainingRun:
                     self._before,
                     peak,
                     limit,
+                    after,
                 )
             )
             if self.xla and self._compiled_plan is not None:

@@ -259,6 +259,7 @@ class TorchTrainingRun:
                     self._before,
                     _peak(samples),
                     controller.limit_bytes,
+                    shared.in_use_bytes(samples),
                 )
             )
             if not session.options.plan and decided.changed:
