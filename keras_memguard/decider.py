@@ -1018,9 +1018,13 @@ def observe(config, state, reading):
     # The memory outside the step that came and went in recent batches was
     # there around this one too (a pipeline's buffer fills before one step
     # or during it): the peak was measured with that much in use.
-    held = max(before, state.outside_bytes)
     peaks = _record_peak(
-        state, readings, work, float(peak), held, float(reading.after_bytes or 0.0)
+        state,
+        readings,
+        work,
+        float(peak),
+        max(before, state.outside_bytes),
+        float(reading.after_bytes or 0.0),
     )
     outside = state.outside_bytes
     decay = OUTSIDE_DECAY * reading.limit_bytes
@@ -1453,8 +1457,12 @@ def from_dict(data):
             f"after] entries of numbers >= 0. Received: peaks={peaks!r}"
         )
     return DeciderState(
+        # An entry without `after` counts as much in use after as before.
         peaks=tuple(
-            sorted(tuple(float(v) for v in (entry + entry[2:])[:4]) for entry in peaks)
+            sorted(
+                tuple(float(v) for v in (entry if len(entry) == 4 else entry + entry[2:]))
+                for entry in peaks
+            )
         ),
         readings=_pairs(data, "readings", MAX_READINGS),
         failures=_pairs(data, "failures", MAX_FAILURES),
