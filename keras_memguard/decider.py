@@ -816,7 +816,7 @@ def plan(config, state, batch):
     measured = None
     if ran_with is not None and k > ran_with:
         measured = _measured_usage(
-            config, state, batch._replace(in_use_bytes=planned_in_use), ran_with
+            config, state, batch._replace(in_use_bytes=planned_in_use), ran_with, k
         )
         if measured is not None:
             k = ran_with
@@ -844,7 +844,7 @@ def plan(config, state, batch):
     return Plan(k, previous, predicted, why), _remember(state, shape, k)
 
 
-def _measured_usage(config, state, batch, k):
+def _measured_usage(config, state, batch, k, raised_to):
     """The usage measured at `k` for this batch, when it says `k` fits; else `None`.
 
     The highest peak of the batches that ran at the same work, plus however
@@ -854,6 +854,12 @@ def _measured_usage(config, state, batch, k):
     overstates: a pipeline's buffer that is full before this batch filled
     during the measured one, so its peak already held most of it; a count
     that ran just under the target is not raised for a buffer more.
+
+    A peak past the target counts too where raising `k` to `raised_to` is
+    predicted to save under `HYSTERESIS` of the limit: where the demand
+    hardly shrinks with the micro-batch, a batch that peaked a little
+    higher than the others would otherwise split every later one further
+    for next to nothing.
 
     Where the sum passes the midpoint but stays under the limit, the memory
     in use right after the measured batches counts as held by their peak:
@@ -870,7 +876,9 @@ def _measured_usage(config, state, batch, k):
         return None
     _, peak, before, after = entry
     limit = batch.limit_bytes
-    if peak >= config.threshold * limit:
+    if peak >= config.threshold * limit and not _raise_saves_little(
+        state, batch, k, raised_to
+    ):
         return None
     ceiling = _ceiling(config)
     usage = (peak + max(0.0, batch.in_use_bytes - before)) / limit
@@ -880,6 +888,17 @@ def _measured_usage(config, state, batch, k):
         return None
     held = (peak + max(0.0, batch.in_use_bytes - after)) / limit
     return held if held < ceiling else None
+
+
+def _raise_saves_little(state, batch, k, raised_to):
+    """Whether `raised_to` micro-batches instead of `k` are predicted to
+    save under `HYSTERESIS` of the limit."""
+    size = batch.sample_size
+    at_k = predict_demand(state, -(-batch.batch_size // k) * size)
+    raised = predict_demand(state, -(-batch.batch_size // raised_to) * size)
+    if at_k is None or raised is None:
+        return False
+    return at_k - raised < HYSTERESIS * batch.limit_bytes
 
 
 def _ceiling(config):

@@ -475,6 +475,41 @@ def test_a_count_run_just_under_the_target_is_held_beside_one_more_prefetched_ba
     assert decided.micro_batches > 16, decided
 
 
+def test_a_peak_a_little_past_the_target_holds_a_count_that_a_raise_would_not_relieve():
+    # The prefetched pipeline under its real 89 MiB cap: one batch of 16
+    # micro-batches peaked at 80.3 MiB, past the 80.1 MiB target, where the
+    # others peaked at 79.2-79.3 MiB. The count went to 22 or 26 for the rest
+    # of the run, for a demand 1-3 MiB lower (one run in about 18, three at
+    # a time).
+    config, limit = decider.make_config(), 89 * MIB
+    state = decider.init(config)
+    for k, before, peak in [(8, 19.8, 84.6), (16, 18.4, 79.3), (16, 19.8, 79.2), (16, 19.8, 80.3)]:
+        decided, state = decider.plan(config, state, Batch(128, 1.0, before * MIB, limit))
+        assert decided.micro_batches == k, decided
+        state = decider.observe(config, state, Reading(128, k, 1.0, before * MIB, peak * MIB, limit))[1]
+    for in_use in (18.3, 19.8, 21.3):
+        decided, _ = decider.plan(config, state, Batch(128, 1.0, in_use * MIB, limit))
+        assert (decided.micro_batches, decided.reason) == (16, decider.HELD), (in_use, decided)
+    # Past the midpoint of the target and the limit (95%), the model decides.
+    decided, _ = decider.plan(config, state, Batch(128, 1.0, 26 * MIB, limit))
+    assert decided.micro_batches > 16, decided
+
+
+def test_a_peak_past_the_target_raises_a_count_where_a_raise_saves_memory():
+    # The residual CNN's demand grows with the micro-batch: one more micro-
+    # batch (43 to 32 samples) saves over 100 MiB of 641, so a peak at 3
+    # micro-batches past the target raises the count, under the midpoint too.
+    config, limit, sample = decider.make_config(), 641 * MIB, 12288.0
+    state = decider.init(config)
+    for k, before, peak in [(8, 50.0, 182.7), (4, 44.1, 341.2), (3, 44.1, 580.0)]:
+        decided, state = decider.plan(config, state, Batch(128, sample, before * MIB, limit))
+        assert decided.micro_batches == k, decided
+        reading = Reading(128, k, sample, before * MIB, peak * MIB, limit, before * MIB)
+        state = decider.observe(config, state, reading)[1]
+    decided, _ = decider.plan(config, state, Batch(128, sample, 44.1 * MIB, limit))
+    assert decided.micro_batches == 4, decided
+
+
 def test_a_count_is_held_for_memory_that_came_into_use_during_its_measured_step():
     # The grid's mixed-precision residual CNN (batch 128 of 64x64x3) under
     # 641 MiB, readings of two logged first runs: after the third batch
