@@ -113,6 +113,10 @@ MAX_FAILURES = 4
 MAX_SHAPES = 16
 # A plan that lowers `k` aims this share of the limit under the target.
 HYSTERESIS = 0.05
+# A held count whose batches peaked at most this share of the limit past
+# the target stays held where more micro-batches would save under
+# `HYSTERESIS`: a batch a little above the others, not a step that grew.
+HELD_OVERSHOOT = 0.01
 # Before any reading, a micro-batch is taken to need this many times its
 # layer outputs (kept for the backward pass, their gradients, temporaries).
 FIRST_SPLIT_ACTIVATIONS = 4.0
@@ -855,11 +859,14 @@ def _measured_usage(config, state, batch, k, raised_to):
     during the measured one, so its peak already held most of it; a count
     that ran just under the target is not raised for a buffer more.
 
-    A peak past the target counts too where raising `k` to `raised_to` is
-    predicted to save under `HYSTERESIS` of the limit: where the demand
-    hardly shrinks with the micro-batch, a batch that peaked a little
-    higher than the others would otherwise split every later one further
-    for next to nothing.
+    A peak past the target by under `HELD_OVERSHOOT` of the limit counts
+    too where raising `k` to `raised_to` is predicted to save under
+    `HYSTERESIS` of it: where the demand hardly shrinks with the
+    micro-batch, a batch that peaked a little higher than the others would
+    otherwise split every later one further for next to nothing. Further
+    past it the count is raised: where a step's peak moves by a tenth of
+    the limit from batch to batch, the target's margin is what keeps it
+    under the limit.
 
     Where the sum passes the midpoint but stays under the limit, the memory
     in use right after the measured batches counts as held by their peak:
@@ -876,8 +883,10 @@ def _measured_usage(config, state, batch, k, raised_to):
         return None
     _, peak, before, after = entry
     limit = batch.limit_bytes
-    if peak >= config.threshold * limit and not _raise_saves_little(
-        state, batch, k, raised_to
+    target = config.threshold * limit
+    if peak >= target and (
+        peak >= target + HELD_OVERSHOOT * limit
+        or not _raise_saves_little(state, batch, k, raised_to)
     ):
         return None
     ceiling = _ceiling(config)

@@ -476,11 +476,10 @@ def test_a_count_run_just_under_the_target_is_held_beside_one_more_prefetched_ba
 
 
 def test_a_peak_a_little_past_the_target_holds_a_count_that_a_raise_would_not_relieve():
-    # The prefetched pipeline under its real 89 MiB cap: one batch of 16
-    # micro-batches peaked at 80.3 MiB, past the 80.1 MiB target, where the
-    # others peaked at 79.2-79.3 MiB. The count went to 22 or 26 for the rest
-    # of the run, for a demand 1-3 MiB lower (one run in about 18, three at
-    # a time).
+    # The prefetched pipeline under its real 89 MiB cap: its batches at 16
+    # micro-batches peak at 77-79.3 MiB; one past the 80.1 MiB target (here
+    # 80.3) sent the count to 22 or 26 for the rest of the run, for a demand
+    # 1-3 MiB lower (one run of 18, three at a time).
     config, limit = decider.make_config(), 89 * MIB
     state = decider.init(config)
     for k, before, peak in [(8, 19.8, 84.6), (16, 18.4, 79.3), (16, 19.8, 79.2), (16, 19.8, 80.3)]:
@@ -492,6 +491,11 @@ def test_a_peak_a_little_past_the_target_holds_a_count_that_a_raise_would_not_re
         assert (decided.micro_batches, decided.reason) == (16, decider.HELD), (in_use, decided)
     # Past the midpoint of the target and the limit (95%), the model decides.
     decided, _ = decider.plan(config, state, Batch(128, 1.0, 26 * MIB, limit))
+    assert decided.micro_batches > 16, decided
+    # A batch 1.1 MiB past the target (over 1% of the limit): raised.
+    reading = Reading(128, 16, 1.0, 19.8 * MIB, 81.2 * MIB, limit)
+    further = decider.observe(config, state, reading)[1]
+    decided, _ = decider.plan(config, further, Batch(128, 1.0, 19.8 * MIB, limit))
     assert decided.micro_batches > 16, decided
 
 
