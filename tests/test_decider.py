@@ -455,18 +455,29 @@ def test_a_count_is_still_raised_when_more_memory_is_in_use_than_it_was_measured
     assert decided.micro_batches > k and decided.reason != decider.HELD, (ks, decided)
 
 
+def _held_after(peaks):
+    """The prefetched pipeline's state after batches at 8, then 16, micro-batches.
+
+    Its readings under the real 89 MiB cap, the last three batches' peaks
+    at 16 micro-batches from `peaks` (MiB).
+    """
+    config, limit = decider.make_config(), 89 * MIB
+    state = decider.init(config)
+    befores = (19.8, 18.4, 19.8, 19.8)
+    for k, before, peak in zip((8, 16, 16, 16), befores, (84.6,) + tuple(peaks)):
+        decided, state = decider.plan(config, state, Batch(128, 1.0, before * MIB, limit))
+        assert decided.micro_batches == k, decided
+        state = decider.observe(config, state, Reading(128, k, 1.0, before * MIB, peak * MIB, limit))[1]
+    return config, limit, state
+
+
 def test_a_count_run_just_under_the_target_is_held_beside_one_more_prefetched_batch():
     # The prefetched pipeline under its real 89 MiB cap: 16 micro-batches
     # peaked at 79.3 MiB, under the 80.1 MiB target. One more 1.5 MiB batch
     # buffered before a step put the measured peak plus the memory in use
     # 0.8 MiB over the target, and the count went to 43 (22 on a slower
     # machine) for the rest of the run, for a demand that hardly shrinks.
-    config, limit = decider.make_config(), 89 * MIB
-    state = decider.init(config)
-    for k, before, peak in [(8, 19.8, 84.6), (16, 18.4, 79.3), (16, 19.8, 79.2), (16, 19.8, 79.3)]:
-        decided, state = decider.plan(config, state, Batch(128, 1.0, before * MIB, limit))
-        assert decided.micro_batches == k, decided
-        state = decider.observe(config, state, Reading(128, k, 1.0, before * MIB, peak * MIB, limit))[1]
+    config, limit, state = _held_after((79.3, 79.2, 79.3))
     for in_use in (21.3, 24.0):
         decided, _ = decider.plan(config, state, Batch(128, 1.0, in_use * MIB, limit))
         assert (decided.micro_batches, decided.reason) == (16, decider.HELD), (in_use, decided)
@@ -480,12 +491,7 @@ def test_a_peak_a_little_past_the_target_holds_a_count_that_a_raise_would_not_re
     # micro-batches peak at 77-79.3 MiB; one past the 80.1 MiB target (here
     # 80.3) sent the count to 22 or 26 for the rest of the run, for a demand
     # 1-3 MiB lower (one run of 18, three at a time).
-    config, limit = decider.make_config(), 89 * MIB
-    state = decider.init(config)
-    for k, before, peak in [(8, 19.8, 84.6), (16, 18.4, 79.3), (16, 19.8, 79.2), (16, 19.8, 80.3)]:
-        decided, state = decider.plan(config, state, Batch(128, 1.0, before * MIB, limit))
-        assert decided.micro_batches == k, decided
-        state = decider.observe(config, state, Reading(128, k, 1.0, before * MIB, peak * MIB, limit))[1]
+    config, limit, state = _held_after((79.3, 79.2, 80.3))
     for in_use in (18.3, 19.8, 21.3):
         decided, _ = decider.plan(config, state, Batch(128, 1.0, in_use * MIB, limit))
         assert (decided.micro_batches, decided.reason) == (16, decider.HELD), (in_use, decided)
