@@ -407,8 +407,7 @@ def find_batch_size(
             if compiled and len(trials) > 1:
                 break
             measured = best[0] if best else 0
-            stalled = backend.PEAK_STALL_IS_ROUNDING and _peaks_stalled(trials, target)
-            if stalled:
+            if backend.PEAK_STALL_IS_ROUNDING and _peaks_stalled(trials, target):
                 # A larger batch peaked no higher: a block the allocator
                 # rounded up, not the samples, sets the peak here, and the
                 # batch that outgrows it jumps past any line. Step past the

@@ -902,12 +902,8 @@ def _measured_usage(config, state, batch, k, raised_to):
 def _raise_saves_little(state, batch, k, raised_to):
     """Whether `raised_to` micro-batches instead of `k` are predicted to
     save under `HYSTERESIS` of the limit."""
-    size = batch.sample_size
-    at_k = predict_demand(state, -(-batch.batch_size // k) * size)
-    raised = predict_demand(state, -(-batch.batch_size // raised_to) * size)
-    if at_k is None or raised is None:
-        return False
-    return at_k - raised < HYSTERESIS * batch.limit_bytes
+    at_k, raised = _usage(state, batch, k), _usage(state, batch, raised_to)
+    return at_k is not None and raised is not None and at_k - raised < HYSTERESIS
 
 
 def _ceiling(config):
