@@ -595,10 +595,53 @@ def predict_demand(state, work):
     if fitted is None:
         return None
     fixed, slope = fitted
-    demand = fixed + slope * work
+    demand = min(fixed + slope * work, _between_readings(state.readings, work))
     for failed_work, proved in state.failures:
         demand = max(demand, fixed + (proved - fixed) * work / failed_work)
     return demand
+
+
+def _between_readings(readings, work):
+    """The demand at a work between two measured ones, or `math.inf`.
+
+    The chord between the readings on either side, and no less than the
+    highest reading at a smaller work. The line lies on or above every
+    reading, so a small micro-batch whose demand is high for its size (a
+    workspace, a block the allocator rounds up) lifts it over the whole
+    range; between two readings near the top the chord is what they show.
+    Above the largest work measured, or below the smallest, `math.inf`:
+    there the line, which bounds every reading, predicts alone.
+    """
+    if len(readings) < 2 or not readings[0][0] <= work <= readings[-1][0]:
+        return math.inf
+    highest = 0.0
+    for (low, low_demand), (high, high_demand) in zip(readings, readings[1:]):
+        highest = max(highest, low_demand)
+        if work <= high:
+            chord = low_demand + (high_demand - low_demand) * (work - low) / (high - low)
+            return max(chord, highest)
+    return math.inf  # not reached: `work` is within the readings
+
+
+def _largest_work_between_readings(readings, budget):
+    """The largest measured-range work whose demand `_between_readings`
+    puts under `budget` bytes, or 0 when none is."""
+    if len(readings) < 2 or readings[0][1] > budget:
+        return 0.0
+    allowed = readings[0][0]
+    highest = readings[0][1]
+    for (low, low_demand), (high, high_demand) in zip(readings, readings[1:]):
+        highest = max(highest, low_demand)
+        if highest > budget:
+            break
+        if high_demand <= budget:
+            allowed = high
+            continue
+        # The chord crosses the budget inside this interval.
+        allowed = low + (high - low) * (budget - low_demand) / (high_demand - low_demand)
+        allowed = max(allowed, low)
+        break
+    return allowed
 
 
 def _largest_work(config, state, budget):
@@ -613,8 +656,14 @@ def _largest_work(config, state, budget):
     fixed, slope = _fit(state) or (state.fixed_bytes, 0.0)
     room = budget - fixed
     if room <= 0:
+        # The line fits nothing; between two readings the chord may.
+        room = 0.0
+        allowed = 0.0
+    else:
+        allowed = room / slope if slope > 0 else math.inf
+    allowed = max(allowed, _largest_work_between_readings(state.readings, budget))
+    if allowed <= 0:
         return 0.0
-    allowed = room / slope if slope > 0 else math.inf
     for failed_work, proved in state.failures:
         failure_slope = (proved - fixed) / failed_work
         if failure_slope > 0:

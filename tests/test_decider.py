@@ -604,3 +604,39 @@ def test_where_no_count_fits_it_splits_only_while_the_demand_still_falls():
     decided, _ = decider.plan(config, state, Batch(128, 1.0, 542 * MIB, LIMIT))
     assert decided.micro_batches == 128, decided
     assert decided.reason.startswith("one sample per micro-batch"), decided.reason
+
+
+def test_a_count_between_two_readings_is_planned_from_them_not_a_lifted_line():
+    # EfficientNetB0 (64x64, batch 32) under 176 MiB, a logged first run:
+    # the 2-sample reading lies 14 MiB above the line through 4 and 8
+    # samples, and the line raised over it predicted 7 samples 14 MiB too
+    # high, so the run settled at 5 where 7 trains clean.
+    config = decider.make_config()
+    readings = ((2.0, 49.7 * MIB), (4.0, 59.7 * MIB), (8.0, 107.1 * MIB))
+    state = decider.init(config)._replace(readings=readings)
+    # Between 4 and 8 samples: the chord between the two readings.
+    assert decider.predict_demand(state, 6.0) == pytest.approx((59.7 + 107.1) / 2 * MIB)
+    assert decider.predict_demand(state, 8.0) == pytest.approx(107.1 * MIB)
+    # Above the largest reading, the line raised over every reading (14
+    # MiB over the top chord's extension).
+    above = 107.1 * MIB + (107.1 - 59.7) / 4 * MIB
+    assert decider.predict_demand(state, 9.0) == pytest.approx(above + 13.7 * MIB, rel=1e-3)
+    limit = 176 * MIB
+    decided, _ = decider.plan(config, state, Batch(32, 1.0, 63.5 * MIB, limit))
+    assert decided.micro_batches == 6, decided  # 6 samples each; 7 before
+    assert decided.predicted_usage == pytest.approx((63.5 + 83.4) / 176, abs=1e-3)
+
+
+def test_between_readings_the_prediction_is_never_below_a_smaller_reading():
+    # Peaks move from batch to batch: a larger micro-batch may read lower.
+    config = decider.make_config()
+    readings = ((4.0, 100 * MIB), (8.0, 90 * MIB), (16.0, 150 * MIB))
+    state = decider.init(config)._replace(readings=readings)
+    assert decider.predict_demand(state, 6.0) == pytest.approx(100 * MIB)
+    assert decider.predict_demand(state, 12.0) == pytest.approx(120 * MIB)
+    # A budget of 99 MiB fits only the line's share below the first reading:
+    # no work between 4 and 8 is planned under it.
+    for budget in (99 * MIB, 100 * MIB, 120 * MIB, 150 * MIB):
+        largest = decider._largest_work(config, state, budget)
+        assert decider.predict_demand(state, largest) <= budget + 1.0
+        assert decider.predict_demand(state, largest + 0.5) > budget or largest >= 16.0
