@@ -15,12 +15,10 @@ showed); the bound is, because a step's fixed part is at least its
 gradients. So the search grows geometrically while the peak is flat and
 closes in by halves near the top.
 
-It stops when the next step would add less than `tolerance`. Where a
+It stops when the next step would add less than `tolerance`, or once a
 larger trial near the top peaked no higher than the one before (a block
 the allocator rounded up then sets the peak, and the batch that outgrows
-it jumps past what any line through the peaks can see), it steps past
-that plateau by twice its last step instead, until a trial fails, peaks
-above the target or peaks higher again. Once a trial has
+it jumps past what any line through the peaks can see). Once a trial has
 run out of memory, or ran but peaked above the target (a fresh `fit`
 holds a few MiB more than a trial, so a step that ran at the very limit
 here can fail there), the search bisects between the largest batch that
@@ -52,8 +50,8 @@ prefetched batches and the step's buffers land, and a trial there may
 still run out of memory (recovered). Where none failed,
 it is the largest batch that ran when the search stopped with the peaks
 still growing (the target is then within `tolerance` of it, and its own
-peak is under the target), and `tolerance` below it when the trials ran
-out on a plateau (a rounded block, past which a few samples more can
+peak is under the target), and `tolerance` below it when a larger trial
+peaked no higher (a rounded block, past which a few samples more can
 fail).
 Where `fit` runs a step compiled by XLA, whose buffers are assigned before
 it runs, the search reads the compiled step's memory instead: on
@@ -407,28 +405,24 @@ def find_batch_size(
             if compiled and len(trials) > 1:
                 break
             measured = best[0] if best else 0
-            if backend.PEAK_STALL_IS_ROUNDING and _peaks_stalled(trials, target):
-                # A larger batch peaked no higher: a block the allocator
-                # rounded up, not the samples, sets the peak here, and the
-                # batch that outgrows it jumps past any line. Step past the
-                # plateau by twice the last step, until a batch runs out of
-                # memory or peaks above the target (then the search
-                # bisects below it, with its margin) or the peak grows again.
-                size = min(_past_plateau(trials), upper)
-                if size <= measured:
-                    break
-                predicted = None
-                continue
             slope = _secant(trials)
             bound = _proportional_bound(best, in_use, floor, target)
             largest = min(
                 _batch_for(target, state, best, slope, sample_size, in_use, upper), bound
             )
+            stalled = backend.PEAK_STALL_IS_ROUNDING and _peaks_stalled(trials, target)
             if largest <= measured * (1.0 + tolerance) or largest < 1:
                 # The target is within `tolerance` of the largest batch
                 # that ran, by a line through peaks that still grow.
-                if best is not None:
+                if not stalled and best is not None:
                     line_edge = _line_edge(best, slope, target, largest, upper, bound)
+                break
+            if stalled:
+                # A larger batch peaked no higher: a block the allocator
+                # rounded up, not the samples, sets the peak here, and the
+                # batch that outgrows it jumps past any line (a few samples
+                # more can run out of memory far above the plateau). No
+                # further guesses.
                 break
             # Close half of the gap: a slope off by less than that stays
             # under the target.
@@ -510,9 +504,8 @@ def _answer_below_edge(largest, failed, line_edge, tolerance):
     else below the largest that ran where the line through peaks that
     still grow puts the target within `tolerance` of it (below `line_edge`,
     where the line reaches the target, when only `max_batch_size` stopped
-    the search), else (the trials ran out, on a plateau of the allocator's
-    rounding or before the target was in reach) `tolerance` below the
-    largest that ran.
+    the search), else (a larger trial peaked no higher: the allocator's
+    rounding) `tolerance` below the largest that ran.
     """
     if largest <= 1:
         return largest
@@ -911,12 +904,6 @@ def _peaks_stalled(trials, target):
         last.batch_size > before.batch_size
         and before.peak_bytes >= last.peak_bytes > STALL_SHARE * target
     )
-
-
-def _past_plateau(trials):
-    """The next batch past a stalled peak: the last that ran plus twice its step."""
-    ran = [t.batch_size for t in trials if t.peak_bytes is not None]
-    return ran[-1] + 2 * (ran[-1] - ran[-2])
 
 
 def _proportional_bound(best, in_use, floor, target):

@@ -13,10 +13,8 @@ INPUT: `numpy`, `dataset` (a batched `tf.data.Dataset`) or `py_dataset`
 (a `keras.utils.PyDataset`), or `decoder`: the decoder language model of
 `programs.unseen_under_cap` on its numpy token ids instead of the CNN, or
 `attention`: a one-block Transformer classifier on numpy sequences, or
-`rows`: an MLP over 1024 rows a sample, about 17 MiB a sample in a step,
-or `mobilenet`: keras.applications' MobileNetV3Small (`weights=None`) on
-256 numpy 64x64 images, whose step's peak stays flat over a few samples
-(a block the allocator rounds up); JIT: `auto` or `off`. Run by
+`rows`: an MLP over 1024 rows a sample, about 17 MiB a sample in a step;
+JIT: `auto` or `off`. Run by
 tests/test_batch_size_finder.py; reports through `emit_result`.
 """
 
@@ -74,15 +72,6 @@ def main(action, kind, jit, batch_size=32):
         # batches to train on: its step's peak grows over the first steps.
         model, x, y = attention_classifier(64 if action == "find" else 8 * int(batch_size))
         model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    elif kind == "mobilenet":
-        keras.utils.set_random_seed(0)
-        model = keras.applications.MobileNetV3Small(
-            weights=None, input_shape=(64, 64, 3), classes=10
-        )
-        model.compile("adam", keras.losses.SparseCategoricalCrossentropy())
-        rng = np.random.default_rng(0)
-        x = rng.random((256, 64, 64, 3), dtype=np.float32)
-        y = rng.integers(0, 10, 256)
     else:
         model = design_cnn()
         x, y = data(kind, int(batch_size))
