@@ -614,12 +614,10 @@ def _between_readings(readings, work):
     """
     if len(readings) < 2 or not readings[0][0] <= work <= readings[-1][0]:
         return math.inf
-    highest = 0.0
-    for (low, low_demand), (high, high_demand) in zip(readings, readings[1:]):
-        highest = max(highest, low_demand)
+    for low, low_demand, high, high_demand, floor in _chords(readings):
         if work <= high:
             chord = low_demand + (high_demand - low_demand) * (work - low) / (high - low)
-            return max(chord, highest)
+            return max(chord, floor)
     return math.inf  # not reached: `work` is within the readings
 
 
@@ -629,10 +627,8 @@ def _largest_work_between_readings(readings, budget):
     if len(readings) < 2 or readings[0][1] > budget:
         return 0.0
     allowed = readings[0][0]
-    highest = readings[0][1]
-    for (low, low_demand), (high, high_demand) in zip(readings, readings[1:]):
-        highest = max(highest, low_demand)
-        if highest > budget:
+    for low, low_demand, high, high_demand, floor in _chords(readings):
+        if floor > budget:
             break
         if high_demand <= budget:
             allowed = high
@@ -642,6 +638,16 @@ def _largest_work_between_readings(readings, budget):
         allowed = max(allowed, low)
         break
     return allowed
+
+
+def _chords(readings):
+    """`(low, low_demand, high, high_demand, floor)` for each pair of
+    neighbouring readings, `floor` the highest demand measured at or below
+    `low`: the pieces `_between_readings` predicts from."""
+    floor = 0.0
+    for (low, low_demand), (high, high_demand) in zip(readings, readings[1:]):
+        floor = max(floor, low_demand)
+        yield low, low_demand, high, high_demand, floor
 
 
 def _largest_work(config, state, budget):
