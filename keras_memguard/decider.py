@@ -667,7 +667,9 @@ def _largest_work(config, state, budget):
         allowed = 0.0
     else:
         allowed = room / slope if slope > 0 else math.inf
-    allowed = max(allowed, _largest_work_between_readings(state.readings, budget))
+    if state.readings and allowed < state.readings[-1][0]:
+        # Between two readings the chord may allow more than the line.
+        allowed = max(allowed, _largest_work_between_readings(state.readings, budget))
     if allowed <= 0:
         return 0.0
     for failed_work, proved in state.failures:
