@@ -404,25 +404,24 @@ def find_batch_size(
                     continue
             if compiled and len(trials) > 1:
                 break
+            if backend.PEAK_STALL_IS_ROUNDING and _peaks_stalled(trials, target):
+                # A larger batch peaked no higher: a block the allocator
+                # rounded up, not the samples, sets the peak here, and the
+                # batch that outgrows it jumps past any line (a few samples
+                # more can run out of memory far above the plateau). No
+                # further guesses.
+                break
             measured = best[0] if best else 0
             slope = _secant(trials)
             bound = _proportional_bound(best, in_use, floor, target)
             largest = min(
                 _batch_for(target, state, best, slope, sample_size, in_use, upper), bound
             )
-            stalled = backend.PEAK_STALL_IS_ROUNDING and _peaks_stalled(trials, target)
             if largest <= measured * (1.0 + tolerance) or largest < 1:
                 # The target is within `tolerance` of the largest batch
                 # that ran, by a line through peaks that still grow.
-                if not stalled and best is not None:
+                if best is not None:
                     line_edge = _line_edge(best, slope, target, largest, upper, bound)
-                break
-            if stalled:
-                # A larger batch peaked no higher: a block the allocator
-                # rounded up, not the samples, sets the peak here, and the
-                # batch that outgrows it jumps past any line (a few samples
-                # more can run out of memory far above the plateau). No
-                # further guesses.
                 break
             # Close half of the gap: a slope off by less than that stays
             # under the target.
