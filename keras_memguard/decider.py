@@ -1145,7 +1145,10 @@ def _recalibrated(state, work, demand):
     that run to what the exploration allowed. Once: after it the readings
     are this process's, each the highest measured at its work.
     """
-    shift = demand - dict(state.readings)[work]
+    earlier = dict(state.readings).get(work)
+    if earlier is None:  # no longer kept: this process's readings took its place
+        return state._replace(inherited=tuple(w for w in state.inherited if w != work))
+    shift = demand - earlier
     inherited = state.inherited
     readings = tuple(
         (w, demand if w == work else max(d + shift, 1.0) if w in inherited else d)

@@ -730,3 +730,18 @@ def test_the_plan_cache_marks_what_it_loads_as_inherited(tmp_path, monkeypatch):
     key = plan_cache.setup_key(fields)
     plan_cache.save(key, fields, state)
     assert plan_cache.load(key, fields).inherited == (10.0, 20.0)
+
+
+def test_an_inherited_work_no_longer_kept_recalibrates_nothing():
+    config = decider.make_config()
+    earlier = tuple((float(w), 100.0 + 10.0 * w) for w in range(1, decider.MAX_READINGS + 1))
+    state = decider.inherit(decider.init(config)._replace(readings=earlier))
+    # This process's readings between the earlier ones push one of them out.
+    state = decider.observe(config, state, Reading(1, 1, 4.5, 0.0, 160.0, 1000.0))[1]
+    state = decider.observe(config, state, Reading(1, 1, 5.5, 0.0, 170.0, 1000.0))[1]
+    dropped = next(w for w in state.inherited if w not in dict(state.readings))
+    state = decider.observe(config, state, Reading(1, 1, dropped, 0.0, 50.0, 1000.0))[1]
+    assert dropped not in state.inherited
+    assert dict(state.readings)[dropped] == 50.0
+    kept = [(w, d) for w, d in state.readings if w != dropped and w in dict(earlier)]
+    assert kept and all(d == 100.0 + 10.0 * w for w, d in kept)
