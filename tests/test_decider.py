@@ -745,3 +745,15 @@ def test_an_inherited_work_no_longer_kept_recalibrates_nothing():
     assert dict(state.readings)[dropped] == 50.0
     kept = [(w, d) for w, d in state.readings if w != dropped and w in dict(earlier)]
     assert kept and all(d == 100.0 + 10.0 * w for w, d in kept)
+
+
+def test_a_state_restored_from_backup_dir_is_inherited(tmp_path):
+    from keras_memguard.callbacks.controller import GuardController
+
+    config = decider.make_config()
+    saved = GuardController(config, backup_dir=str(tmp_path))
+    saved.state = saved.state._replace(readings=((10.0, 300.0), (20.0, 500.0)))
+    saved.save_state(step=3)
+    restored = GuardController(config, backup_dir=str(tmp_path))
+    assert restored.load_state() == 3
+    assert restored.state.inherited == (10.0, 20.0)
