@@ -50,9 +50,9 @@ prefetched batches and the step's buffers land, and a trial there may
 still run out of memory (recovered). Where none failed,
 it is the largest batch that ran when the search stopped with the peaks
 still growing (the target is then within `tolerance` of it, and its own
-peak is under the target), and `tolerance` below it when a larger trial
+peak is under the target), and a tenth below it when a larger trial
 peaked no higher (a rounded block, past which a few samples more can
-fail).
+fail, or the step's noise: the stalled trial is at the edge either way).
 Where `fit` runs a step compiled by XLA, whose buffers are assigned before
 it runs, the search reads the compiled step's memory instead: on
 TensorFlow with XLA it reads the buffer assignment of the train step at
@@ -155,7 +155,7 @@ class BatchSizeResult(NamedTuple):
             trial steps ran under `threshold` of the limit, at least a
             tenth (or `tolerance`, if larger) below the smallest that did
             not (where none did:
-            that batch, or `tolerance` below it when the peaks stopped
+            that batch, or a tenth below it when the peaks stopped
             growing; on PyTorch, that batch): at the very top, whether a
             batch trains depends on where the input pipeline's batches
             land in TensorFlow's allocator.
@@ -504,7 +504,9 @@ def _answer_below_edge(largest, failed, line_edge, tolerance):
     still grow puts the target within `tolerance` of it (below `line_edge`,
     where the line reaches the target, when only `max_batch_size` stopped
     the search), else (a larger trial peaked no higher: the allocator's
-    rounding) `tolerance` below the largest that ran.
+    rounding, or a peak that moves by more than the samples add) the same
+    margin below the largest that ran: 5% below such a trial failed a
+    fresh `fit` on a `PyDataset`.
     """
     if largest <= 1:
         return largest
@@ -514,7 +516,7 @@ def _answer_below_edge(largest, failed, line_edge, tolerance):
         at_edge = line_edge <= largest * (1.0 + tolerance)
         edge = _below_failure(largest if at_edge else line_edge, tolerance)
     else:
-        edge = int(largest * (1.0 - tolerance))
+        edge = _below_failure(largest, tolerance)
     return max(1, min(largest, edge))
 
 

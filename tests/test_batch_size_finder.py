@@ -81,8 +81,8 @@ def test_trials_stay_under_the_limit_and_everything_is_put_back():
     # target (here, some runs: at the very limit). Where none did, 10%
     # below the largest trial when the search stopped with the peaks still
     # growing and the target in reach (up to 10% below where the line
-    # reaches it, a fraction of a sample above that trial), else
-    # `tolerance` below it (its peak stalled, or the trials ran out).
+    # reaches it, a fraction of a sample above that trial), and 10% below
+    # it too where its peak stalled or the trials ran out.
     target = 0.95 * limit
     under = {
         t.batch_size: t for t in result.trials
@@ -90,7 +90,7 @@ def test_trials_stay_under_the_limit_and_everything_is_put_back():
     }
     bounds = [t.batch_size for t in result.trials if t.batch_size not in under]
     largest_ran = max(under)
-    stepped_down = min(largest_ran, int(min(bounds) * 0.9) if bounds else int(largest_ran * 0.95))
+    stepped_down = min(largest_ran, int(min(bounds) * 0.9) if bounds else int(largest_ran * 0.9))
     # A single trial pairs with itself (no stall). Without bounds every
     # trial ran under the target, so each has a peak.
     before, last = (result.trials * 2)[-2:]
@@ -149,8 +149,11 @@ def test_the_answer_keeps_its_margin_below_a_trial_at_the_targets_edge():
     assert _answer_below_edge(84, 92, None, 0.05) == 82
     # A search that `max_batch_size` stopped far under the target answers it.
     assert _answer_below_edge(48, None, 120.0, 0.05) == 48
-    # A larger trial peaked no higher (the allocator's rounding): 5% below.
-    assert _answer_below_edge(13, None, None, 0.05) == 12
+    # A larger trial peaked no higher (the allocator's rounding, or noise):
+    # 10% below it too. A search on a `PyDataset` read 481 MiB at 143 and
+    # 470 MiB at 156; 5% below, 148, ran out of memory in a fresh `fit`.
+    assert _answer_below_edge(156, None, None, 0.05) == 140
+    assert _answer_below_edge(13, None, None, 0.05) == 11
     assert _answer_below_edge(1, 2, None, 0.05) == 1
 
 
