@@ -505,16 +505,14 @@ def _answer_below_edge(largest, failed, line_edge, tolerance):
     where the line reaches the target, when only `max_batch_size` stopped
     the search), else (a larger trial peaked no higher: the allocator's
     rounding, or a peak that moves by more than the samples add) the same
-    margin below the largest that ran: 5% below such a trial failed a
-    fresh `fit` on a `PyDataset`.
+    margin below the largest that ran: a stalled trial is at the edge too.
     """
     if largest <= 1:
         return largest
     if failed is not None:
         edge = _below_failure(failed, tolerance)
-    elif line_edge is not None:
-        at_edge = line_edge <= largest * (1.0 + tolerance)
-        edge = _below_failure(largest if at_edge else line_edge, tolerance)
+    elif line_edge is not None and line_edge > largest * (1.0 + tolerance):
+        edge = _below_failure(line_edge, tolerance)
     else:
         edge = _below_failure(largest, tolerance)
     return max(1, min(largest, edge))
