@@ -5,6 +5,7 @@ import gc
 import logging
 import os
 import re
+import weakref
 
 import numpy as np
 import pytest
@@ -179,6 +180,39 @@ def test_guard_keeps_one_micro_batch_when_memory_is_plentiful():
     history = model.fit(x, y, batch_size=50, epochs=2, verbose=0, callbacks=[guard])
     assert history.history["micro_batches"] == [1, 1]
     assert history.history["samples"] == [200.0, 200.0]
+
+
+class _Garbage:
+    """A reference cycle holding a tensor: freed only by the cycle collector."""
+
+    def __init__(self):
+        self.itself = self
+        self.tensor = keras.ops.zeros((256, 1024))
+
+
+def test_garbage_from_before_fit_is_freed_before_the_first_measured_batch():
+    # Python's cycle collector runs when allocations say, not when a step
+    # starts: garbage left by an earlier `fit` (a failed one's tensors) freed
+    # during the first measured step made its demand read low.
+    x, y = make_data()
+    model = make_mlp()
+    alive_at_first_batch = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: alive_at_first_batch.append(
+            garbage() is not None
+        )
+    )
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        garbage = weakref.ref(_Garbage())
+        assert garbage() is not None
+        model.fit(x, y, batch_size=50, epochs=1, verbose=0, callbacks=[guard, record])
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert alive_at_first_batch[0] is False
 
 
 def test_guard_can_start_split():
