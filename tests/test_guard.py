@@ -190,17 +190,20 @@ class _Garbage:
         self.tensor = keras.ops.zeros((256, 1024))
 
 
-def test_garbage_from_before_fit_is_freed_before_the_first_measured_batch():
+@pytest.mark.parametrize("call", ["fit", "evaluate"])
+def test_garbage_from_before_the_first_call_is_freed_before_its_first_batch(call):
     # Python's cycle collector runs when allocations say, not when a step
     # starts: garbage left by an earlier `fit` (a failed one's tensors) freed
     # during the first measured step made its demand read low.
     x, y = make_data()
     model = make_mlp()
     alive_at_first_batch = []
+
+    def record_garbage(batch, logs):
+        alive_at_first_batch.append(garbage() is not None)
+
     record = keras.callbacks.LambdaCallback(
-        on_train_batch_begin=lambda batch, logs: alive_at_first_batch.append(
-            garbage() is not None
-        )
+        on_train_batch_begin=record_garbage, on_test_batch_begin=record_garbage
     )
     guard = keras_memguard.MemoryGuard(memory_limit=1 << 40)
     was_enabled = gc.isenabled()
@@ -208,7 +211,7 @@ def test_garbage_from_before_fit_is_freed_before_the_first_measured_batch():
     try:
         garbage = weakref.ref(_Garbage())
         assert garbage() is not None
-        model.fit(x, y, batch_size=50, epochs=1, verbose=0, callbacks=[guard, record])
+        getattr(model, call)(x, y, batch_size=50, verbose=0, callbacks=[guard, record])
     finally:
         if was_enabled:
             gc.enable()

@@ -9,8 +9,6 @@ call (the controller, the step count, the writer, the reader) is in the
 guard's `GuardSession` (`session.py`), which each run is handed.
 """
 
-import gc
-
 import keras
 
 from keras_memguard import backends
@@ -218,12 +216,7 @@ class MemoryGuard(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         backend = backends.current()
         session = self.session
-        if not session.started:
-            # Garbage from before the first `fit` (a failed step's tensors,
-            # held in reference cycles) would otherwise be freed during a
-            # measured step and make its demand read low. Once per guard: a
-            # full collection takes a while in a process with a large model.
-            gc.collect()
+        session.collect_garbage_once()
         session.resolve_limits()
         session.load_state()
         self._run = backend.training_run(session, self.params, MICRO_BATCHES_LOG_KEY)
@@ -289,6 +282,7 @@ class MemoryGuard(keras.callbacks.Callback):
 
     def _begin_inference(self, kind):
         backend = backends.current()
+        self.session.collect_garbage_once()
         self.session.resolve_limits()
         self._inference = backend.inference_run(self.session, kind)
 

@@ -10,6 +10,7 @@ options as an immutable `GuardOptions`; the guard makes one and hands it
 to every run, and no run reaches into the guard itself.
 """
 
+import gc
 from typing import NamedTuple, Optional, Tuple
 
 import keras
@@ -116,6 +117,7 @@ class GuardSession:
         self.last_oom_explanation = None
         self._started = False
         self._restored = False
+        self._collected = False
         self._dumps = None
         # `evaluate` / `predict`: one controller per kind, kept between calls.
         self._inference_controllers = {}
@@ -127,6 +129,19 @@ class GuardSession:
         self.model = model
         self.reader = shared_reader(model)
         self.reader.register(self, self.options.memory_limit)
+
+    def collect_garbage_once(self):
+        """Collects Python's garbage before the first batch this guard measures.
+
+        Garbage from before it (a failed step's tensors, held in reference
+        cycles) would otherwise be freed whenever the cycle collector runs,
+        perhaps during a measured step, and make its demand read low. Once
+        per guard: a full collection takes a while in a process that holds
+        a large model.
+        """
+        if not self._collected:
+            self._collected = True
+            gc.collect()
 
     def resolve_limits(self):
         """Reads the limit of each device into `limits`.
