@@ -216,8 +216,8 @@ class MemoryGuard(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         backend = backends.current()
         session = self.session
-        session.collect_garbage_once()
         session.resolve_limits()
+        session.collect_garbage_once()
         session.load_state()
         self._run = backend.training_run(session, self.params, MICRO_BATCHES_LOG_KEY)
         self._run.begin()
@@ -282,8 +282,8 @@ class MemoryGuard(keras.callbacks.Callback):
 
     def _begin_inference(self, kind):
         backend = backends.current()
-        self.session.collect_garbage_once()
         self.session.resolve_limits()
+        self.session.collect_garbage_once()
         self._inference = backend.inference_run(self.session, kind)
 
     def _end_inference(self):

@@ -27,6 +27,9 @@ from keras_memguard.sinks import tensorboard as tb
 # The scalars written per batch, in `write_scalars`' order; the threshold
 # draws its line in the dashboard's usage chart.
 SCALAR_TAGS = (tb.MICRO_BATCHES, tb.MICRO_BATCH_SIZE, tb.OOM_RECOVERIES, tb.THRESHOLD)
+# The share of the limit the memory in use must reach before the guard
+# collects Python's garbage (`GuardSession.collect_garbage_once`).
+GARBAGE_SHARE = 0.02
 
 
 class GuardOptions(NamedTuple):
@@ -136,12 +139,23 @@ class GuardSession:
         Garbage from before it (a failed step's tensors, held in reference
         cycles) would otherwise be freed whenever the cycle collector runs,
         perhaps during a measured step, and make its demand read low. Once
-        per guard: a full collection takes a while in a process that holds
-        a large model.
+        per guard, and only where the memory in use (which holds any such
+        garbage) is at least `GARBAGE_SHARE` of the limit: a full
+        collection takes a while in a process that holds a large model,
+        and less than that cannot move a reading by more than the
+        threshold's headroom can take. Call after `resolve_limits`.
         """
-        if not self._collected:
-            self._collected = True
-            gc.collect()
+        if self._collected:
+            return
+        limit = min((limit for limit in self.limits if limit), default=None)
+        in_use = max(
+            (sample.current_bytes for sample in self.read() if sample.current_bytes is not None),
+            default=None,
+        )
+        if limit is not None and in_use is not None and in_use < GARBAGE_SHARE * limit:
+            return
+        self._collected = True
+        gc.collect()
 
     def resolve_limits(self):
         """Reads the limit of each device into `limits`.
