@@ -147,7 +147,7 @@ class GuardSession:
         """
         if self._collected:
             return
-        limit = min((limit for limit in self.limits if limit), default=None)
+        limit = self.smallest_limit if any(self.limits) else None
         in_use = max(
             (sample.current_bytes for sample in self.read() if sample.current_bytes is not None),
             default=None,
