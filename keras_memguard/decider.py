@@ -95,6 +95,7 @@ __all__ = [
     "from_dict",
     "in_use_beside_replay",
     "in_use_planned_for",
+    "inherit",
     "init",
     "make_config",
     "micro_batches_text",
@@ -112,7 +113,7 @@ MAX_FAILURES = 4
 # Batch shapes whose count is remembered for hysteresis.
 MAX_SHAPES = 16
 # A plan that lowers `k` aims this share of the limit under the target.
-HYSTERESIS = 0.05
+HYSTERESIS = 0.04
 # A held count whose batches peaked at most this share of the limit past
 # the target stays held where more micro-batches would save under
 # `HYSTERESIS`: a batch a little above the others, not a step that grew.
@@ -322,6 +323,8 @@ class DeciderState(NamedTuple):
             held outside the step (`outside_bytes`) then, and the most in
             use right after one (at least `before_bytes`): the evidence
             that a count fits.
+        inherited: The works of `readings` measured by an earlier process
+            (`inherit`), until this process measures one of them.
     """
 
     micro_batches: int
@@ -338,6 +341,7 @@ class DeciderState(NamedTuple):
     eval_micro_batches: int
     eval_oom_count: int
     peaks: Tuple[Tuple[float, float, float, float], ...] = ()
+    inherited: Tuple[float, ...] = ()
 
 
 def _is_int(value):
@@ -1093,6 +1097,8 @@ def observe(config, state, reading):
     before = reading.before_bytes or 0.0
     work = reading.work
     demand = max(float(peak) - before, 1.0)
+    if work in state.inherited:
+        state = _recalibrated(state, work, demand)
     readings = state.readings
     if next((d for w, d in readings if w == work), -1.0) < demand:
         readings = _record(readings, work, demand, MAX_READINGS)
@@ -1124,6 +1130,36 @@ def observe(config, state, reading):
     if config.predictive:
         return Plan(k, k, None, HELD), updated
     return _react(config, updated, reading)
+
+
+def _recalibrated(state, work, demand):
+    """`state` with the readings an earlier process measured moved by what
+    this process measured at one of their works.
+
+    `demand` replaces the earlier reading at `work`, and every other
+    earlier reading, and the peak beside it, moves by the same difference:
+    a process that explored several counts before it settled leaves more
+    memory in use and its steps take more (the allocator's blocks, compiled
+    steps of every count tried) than a process that starts at the settled
+    count, and planning the next run from its readings alone would hold
+    that run to what the exploration allowed. Once: after it the readings
+    are this process's, each the highest measured at its work.
+    """
+    earlier = dict(state.readings).get(work)
+    if earlier is None:  # no longer kept: this process's readings took its place
+        return state._replace(inherited=tuple(w for w in state.inherited if w != work))
+    shift = demand - earlier
+    inherited = state.inherited
+    readings = tuple(
+        (w, demand if w == work else max(d + shift, 1.0) if w in inherited else d)
+        for w, d in state.readings
+    )
+    peaks = tuple(
+        (w, max(peak + shift, before), before, after) if w in inherited else (w, peak, before, after)
+        for w, peak, before, after in state.peaks
+        if w != work
+    )
+    return state._replace(readings=readings, peaks=peaks, inherited=())
 
 
 def _react(config, state, reading):
@@ -1430,6 +1466,32 @@ def to_dict(state):
         "eval_oom_count": state.eval_oom_count,
         "peaks": [list(entry) for entry in state.peaks],
     }
+
+
+def inherit(state):
+    """Marks the readings of a state an earlier process measured.
+
+    A state read back from a plan cache or `backup_dir` holds another
+    process's readings. This process's first reading at one of their works
+    replaces that reading, and moves every other one it inherited by the
+    same difference: what an earlier process left in use while it explored
+    is not in use here.
+
+    Args:
+        state: A `DeciderState`, from `from_dict`.
+
+    Returns:
+        The `DeciderState`, its readings marked as inherited.
+
+    Example:
+
+    >>> config = make_config()
+    >>> state = init(config)._replace(readings=((10.0, 300.0), (20.0, 500.0)))
+    >>> state = observe(config, inherit(state), Reading(10, 1, 1.0, 0.0, 260.0, 1000.0))[1]
+    >>> state.readings
+    ((10.0, 260.0), (20.0, 460.0))
+    """
+    return state._replace(inherited=tuple(w for w, _ in state.readings))
 
 
 def _pairs(data, name, limit):

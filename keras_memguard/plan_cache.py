@@ -104,8 +104,9 @@ def load(key, fields):
         _warn_ignored(path, str(error))
         return None
     # What the earlier run learned, not what happened in it: this run's
-    # recoveries count from zero.
-    return state._replace(oom_count=0, eval_oom_count=0)
+    # recoveries count from zero, and its own readings recalibrate the
+    # earlier run's.
+    return decider.inherit(state._replace(oom_count=0, eval_oom_count=0))
 
 
 def save(key, fields, state):

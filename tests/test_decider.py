@@ -640,3 +640,120 @@ def test_between_readings_the_prediction_is_never_below_a_smaller_reading():
         largest = decider._largest_work(config, state, budget)
         assert decider.predict_demand(state, largest) <= budget + 1.0
         assert decider.predict_demand(state, largest + 0.5) > budget or largest >= 16.0
+
+
+# DenseNet121 (64x64, batch 32, Adam) under 250 MiB: the first run's
+# readings, per samples a micro-batch (1, 2, 4, 6, 7), as its plan cache
+# kept them. It explored four counts before it settled at 6 samples, and
+# its steps took more than a process that starts at 6 (114.7 MiB at 6
+# samples, where the cached run measured 103.8-105.5).
+DENSENET_CACHED = ((1.0, 61.7), (2.0, 66.8), (4.0, 84.1), (6.0, 114.7), (7.0, 128.5))
+DENSENET_LIMIT = 250 * MIB
+
+
+def densenet_cached_state(config):
+    return decider.init(config, micro_batches=6)._replace(
+        readings=tuple((w, d * MIB) for w, d in DENSENET_CACHED),
+        shapes=(((32, 1.0), 6),),
+        peaks=((6.0, 226.8 * MIB, 104.4 * MIB, 104.4 * MIB), (7.0, 230.4 * MIB, 102.1 * MIB, 102.1 * MIB)),
+    )
+
+
+def run_cached(config, state, batches):
+    """Plans and observes `(in_use, demand_at_6, demand_at_7)` MiB batches."""
+    counts = []
+    for in_use, at_6, at_7 in batches:
+        decided, state = decider.plan(config, state, Batch(32, 1.0, in_use * MIB, DENSENET_LIMIT))
+        k = decided.micro_batches
+        counts.append(k)
+        demand = {6: at_6, 5: at_7}[k]
+        reading = Reading(32, k, 1.0, in_use * MIB, (in_use + demand) * MIB, DENSENET_LIMIT)
+        state = decider.observe(config, state, reading)[1]
+    return counts, state
+
+
+# The cached run's memory in use before each batch and the step's demand
+# at 6 samples (logged), and at 7 (a fixed 7-sample run, logged).
+DENSENET_BATCHES = [
+    (95.3, 103.8, 116.3), (96.2, 103.5, 114.0), (94.7, 104.2, 116.8), (93.2, 104.3, 113.5),
+    (97.7, 105.5, 116.2), (96.2, 103.1, 114.0), (94.7, 105.6, 116.8), (93.2, 105.1, 113.5),
+]
+
+
+def test_a_cached_run_plans_from_its_own_readings_not_the_earlier_process():
+    config = decider.make_config()
+    # Planned from the earlier process's readings as they are, 7 samples
+    # are predicted past the band a lower count needs, and the run holds 6
+    # (a fixed 7 runs clean under the threshold, at 83-86%).
+    counts, _ = run_cached(config, densenet_cached_state(config), DENSENET_BATCHES)
+    assert set(counts) == {6}, counts
+    # Its own first reading at 6 samples, 10.9 MiB under the earlier one,
+    # moves the earlier readings by as much; 7 samples fit, and hold.
+    state = decider.inherit(densenet_cached_state(config))
+    counts, state = run_cached(config, state, DENSENET_BATCHES)
+    assert counts[0] == 6 and counts[-1] == 5, counts
+    assert counts == sorted(counts, reverse=True), counts
+    assert state.inherited == ()
+    assert dict(state.readings)[1.0] == pytest.approx((61.7 - 10.9) * MIB)
+    assert dict(state.readings)[7.0] >= 113.5 * MIB
+    for _, peak, before, _ in state.peaks:
+        assert peak - before < 120 * MIB  # the earlier peaks moved too
+
+
+def test_an_inherited_reading_is_replaced_once_then_kept_as_the_highest():
+    config = decider.make_config()
+    state = decider.inherit(
+        decider.init(config)._replace(readings=((10.0, 300.0), (20.0, 500.0)))
+    )
+    assert state.inherited == (10.0, 20.0)
+    # A work the earlier process did not measure recalibrates nothing.
+    state = decider.observe(config, state, Reading(15, 1, 1.0, 0.0, 350.0, 1000.0))[1]
+    assert state.readings == ((10.0, 300.0), (15.0, 350.0), (20.0, 500.0))
+    assert state.inherited == (10.0, 20.0)
+    # A higher reading at an inherited work moves the others up as much.
+    state = decider.observe(config, state, Reading(10, 1, 1.0, 0.0, 330.0, 1000.0))[1]
+    assert state.readings == ((10.0, 330.0), (15.0, 350.0), (20.0, 530.0))
+    assert state.inherited == ()
+    # After it, the highest reading per work, as in any run.
+    state = decider.observe(config, state, Reading(10, 1, 1.0, 0.0, 310.0, 1000.0))[1]
+    assert dict(state.readings)[10.0] == 330.0
+    assert decider.from_dict(decider.to_dict(state)) == state
+
+
+def test_the_plan_cache_marks_what_it_loads_as_inherited(tmp_path, monkeypatch):
+    from keras_memguard import plan_cache
+
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    config = decider.make_config()
+    state = decider.init(config)._replace(readings=((10.0, 300.0), (20.0, 500.0)))
+    fields = {"model": "m"}
+    key = plan_cache.setup_key(fields)
+    plan_cache.save(key, fields, state)
+    assert plan_cache.load(key, fields).inherited == (10.0, 20.0)
+
+
+def test_an_inherited_work_no_longer_kept_recalibrates_nothing():
+    config = decider.make_config()
+    earlier = tuple((float(w), 100.0 + 10.0 * w) for w in range(1, decider.MAX_READINGS + 1))
+    state = decider.inherit(decider.init(config)._replace(readings=earlier))
+    # This process's readings between the earlier ones push one of them out.
+    state = decider.observe(config, state, Reading(1, 1, 4.5, 0.0, 160.0, 1000.0))[1]
+    state = decider.observe(config, state, Reading(1, 1, 5.5, 0.0, 170.0, 1000.0))[1]
+    dropped = next(w for w in state.inherited if w not in dict(state.readings))
+    state = decider.observe(config, state, Reading(1, 1, dropped, 0.0, 50.0, 1000.0))[1]
+    assert dropped not in state.inherited
+    assert dict(state.readings)[dropped] == 50.0
+    kept = [(w, d) for w, d in state.readings if w != dropped and w in dict(earlier)]
+    assert kept and all(d == 100.0 + 10.0 * w for w, d in kept)
+
+
+def test_a_state_restored_from_backup_dir_is_inherited(tmp_path):
+    from keras_memguard.callbacks.controller import GuardController
+
+    config = decider.make_config()
+    saved = GuardController(config, backup_dir=str(tmp_path))
+    saved.state = saved.state._replace(readings=((10.0, 300.0), (20.0, 500.0)))
+    saved.save_state(step=3)
+    restored = GuardController(config, backup_dir=str(tmp_path))
+    assert restored.load_state() == 3
+    assert restored.state.inherited == (10.0, 20.0)

@@ -218,5 +218,5 @@ class GuardController:
                 path,
             )
             return None
-        self.state = decider.from_dict(payload["decider"])
+        self.state = decider.inherit(decider.from_dict(payload["decider"]))
         return payload.get("step", 0)
