@@ -84,6 +84,7 @@ MODELS = {
     "decoder": 32,
     "decoder_masked": 32,
     "mixed_convnet": 128,
+    "mixed_encoder": 64,
 }
 
 
@@ -96,7 +97,7 @@ def build(name):
     batch = MODELS[name]
     samples = batch * STEPS
     rng = np.random.default_rng(0)
-    if name == "mixed_convnet":
+    if name in ("mixed_convnet", "mixed_encoder"):
         keras.mixed_precision.set_global_policy("mixed_float16")
     keras.utils.set_random_seed(0)
     if name in ("efficientnet", "densenet", "mobilenet_v3", "mobilenet_v3_32"):
@@ -130,6 +131,8 @@ def build(name):
         )
         x = rng.random((samples, 64, 64, 3), dtype=np.float32)
         return model, x, rng.integers(0, 10, samples), batch
+    if name == "mixed_encoder":
+        return _mixed_encoder(rng, samples, batch)
     # A pre-norm GPT-style decoder: 3 blocks, width 96, 96 tokens, 3000 logits.
     vocabulary, tokens, width = 3000, 96, 96
     ids = keras.Input((tokens,), dtype="int32")
@@ -155,6 +158,38 @@ def build(name):
         pad = np.arange(tokens)[None, :] >= lengths[:, None]
         x[pad], y[pad] = 0, 0
     return model, x, y, batch
+
+
+def _mixed_encoder(rng, samples, batch):
+    """keras.io's Transformer text classifier, larger, in mixed precision:
+    padded token ids masked (`mask_zero`) through attention and pooling,
+    4 post-norm blocks, width 128, 128 tokens, 2 classes; no convolutions,
+    so XLA on the CPU runs its micro-batch loop at full speed."""
+    import keras
+    import numpy as np
+
+    layers = keras.layers
+    vocabulary, tokens, width = 8000, 128, 128
+    ids = keras.Input((tokens,), dtype="int32")
+    h = layers.Embedding(vocabulary, width, mask_zero=True)(ids)
+    h = h + layers.Embedding(tokens, width)(keras.ops.arange(tokens))
+    for _ in range(4):
+        attended = layers.MultiHeadAttention(4, width // 4)(h, h)
+        h = layers.LayerNormalization(epsilon=1e-6)(h + layers.Dropout(0.1)(attended))
+        fed = layers.Dense(width)(layers.Dense(4 * width, activation="relu")(h))
+        h = layers.LayerNormalization(epsilon=1e-6)(h + layers.Dropout(0.1)(fed))
+    h = layers.Dropout(0.1)(layers.GlobalAveragePooling1D()(h))
+    h = layers.Dense(64, activation="relu")(h)
+    model = keras.Model(ids, layers.Dense(2, dtype="float32")(h))
+    model.compile(
+        "adam",
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    x = rng.integers(1, vocabulary, size=(samples, tokens)).astype("int32")
+    lengths = rng.integers(tokens // 4, tokens + 1, samples)
+    x[np.arange(tokens)[None, :] >= lengths[:, None]] = 0
+    return model, x, rng.integers(0, 2, samples), batch
 
 
 # --- children ---------------------------------------------------------------
