@@ -325,6 +325,8 @@ class DeciderState(NamedTuple):
             that a count fits.
         inherited: The works of `readings` measured by an earlier process
             (`inherit`), until this process measures one of them.
+        outside_inherited: Whether `outside_bytes` is an earlier process's
+            (`inherit`), until this process observes its first batch.
     """
 
     micro_batches: int
@@ -342,6 +344,7 @@ class DeciderState(NamedTuple):
     eval_oom_count: int
     peaks: Tuple[Tuple[float, float, float, float], ...] = ()
     inherited: Tuple[float, ...] = ()
+    outside_inherited: bool = False
 
 
 def _is_int(value):
@@ -1097,6 +1100,9 @@ def observe(config, state, reading):
     before = reading.before_bytes or 0.0
     work = reading.work
     demand = max(float(peak) - before, 1.0)
+    if state.outside_inherited:
+        # What the earlier process held outside its steps, this one need not.
+        state = state._replace(outside_bytes=before, outside_inherited=False)
     if work in state.inherited:
         state = _recalibrated(state, work, demand)
     readings = state.readings
@@ -1475,7 +1481,9 @@ def inherit(state):
     process's readings. This process's first reading at one of their works
     replaces that reading, and moves every other one it inherited by the
     same difference: what an earlier process left in use while it explored
-    is not in use here.
+    is not in use here. For the same reason the memory in use before this
+    process's first batch replaces the recent high the earlier one held
+    outside its steps (`outside_bytes`); until then plans keep it.
 
     Args:
         state: A `DeciderState`, from `from_dict`.
@@ -1491,7 +1499,9 @@ def inherit(state):
     >>> state.readings
     ((10.0, 260.0), (20.0, 460.0))
     """
-    return state._replace(inherited=tuple(w for w, _ in state.readings))
+    return state._replace(
+        inherited=tuple(w for w, _ in state.readings), outside_inherited=True
+    )
 
 
 def _pairs(data, name, limit):
