@@ -97,6 +97,34 @@ def test_reset_drops_the_earlier_peak():
     assert s.peak_bytes < base + 16 * MIB
 
 
+class _Consumer:
+    """A callback's stand-in: anything weak-referenceable registers."""
+
+
+def test_a_reading_aside_keeps_its_blocks_out_of_every_consumers_peak():
+    from keras_memguard.callbacks.sampling import SharedAllocatorReader
+
+    reader = SharedAllocatorReader(AllocatorProbe())
+    guard, monitor = _Consumer(), _Consumer()
+    reader.register(guard)
+    reader.register(monitor)
+    reader.reset()
+    base = _memory_info()["current"]
+    x = tf.zeros([FLOATS_16_MIB])  # the batch's data, before the guard plans
+    del x
+    reader.read(guard)  # the guard's reading before the batch
+    # Blocks the guard takes and frees itself (a compiled step's tries).
+    tried = tf.zeros([4 * FLOATS_16_MIB])
+    del tried
+    reader.read_aside()
+    guard_peak, = (s.peak_bytes for s in reader.read(guard, key=1))
+    monitor_peak, = (s.peak_bytes for s in reader.read(monitor, key=1))
+    assert guard_peak < base + 16 * MIB
+    # The monitor keeps what it had pending before the guard's reading,
+    # and not the blocks read aside.
+    assert base + 16 * MIB <= monitor_peak < base + 64 * MIB
+
+
 def test_limit_from_the_suite_bfc_env():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

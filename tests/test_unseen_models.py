@@ -89,6 +89,11 @@ def test_a_decoder_compiled_as_on_a_gpu_is_split_no_more_than_its_free_blocks_ne
     assert result["oom_recoveries"] == 0, result
     assert max(result["ks"]) <= 9, result
     assert len(set(result["ks"])) == 1, result
+    # The probes' blocks (a failed one reaches the cap) are taken and freed
+    # before the first step: `MemoryMonitor` logs the step's peak, not the
+    # probes' (it logged 100% for the first batch, 45% for the others).
+    first, *later = result["usages"]
+    assert first <= max(later) + 0.05, result["usages"]
 
 
 def test_an_xla_step_given_a_whole_free_block_keeps_its_count():

@@ -139,6 +139,19 @@ class SharedAllocatorReader:
             state.seen = self._readings
             state.missed = None
 
+    def read_aside(self):
+        """Samples the probe without ending any consumer's interval.
+
+        For memory the caller takes and frees itself (the guard's tries of
+        a compiled step's buffers, one of which can reach the limit): the
+        probe's reading resets the allocator peaks, so those blocks reach
+        no consumer's peak, and each consumer keeps what it had pending.
+
+        Returns:
+            A tuple of `AllocatorSample`, one per device.
+        """
+        return self.probe.sample()
+
     def read(self, consumer, key=None):
         """Returns samples whose peak covers `consumer`'s interval.
 

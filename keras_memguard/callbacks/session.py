@@ -198,6 +198,14 @@ class GuardSession:
         """
         return self.reader.read(self, key)
 
+    def read_aside(self):
+        """A reading whose peak is no consumer's (see `SharedAllocatorReader.read_aside`).
+
+        Returns:
+            A tuple of `AllocatorSample`, one per device.
+        """
+        return self.reader.read_aside()
+
     def reset_peaks(self):
         """Resets the allocator peaks (see `SharedAllocatorReader.reset`)."""
         self.reader.reset()

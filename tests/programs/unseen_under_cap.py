@@ -23,8 +23,9 @@ does not plan (`plan=False`), so the cap is hit inside the XLA program: it must 
 in slices. The process then leaves with `os._exit`, as
 TensorFlow can abort at exit after such an error.
 
-Reports through `emit_result`: the batches that ended, the counts, the
-out-of-memory recoveries, the loss, and the error raised, if any.
+Training runs with a `MemoryMonitor` beside the guard. Reports through
+`emit_result`: the batches that ended, the counts, the peak usage the
+monitor logged for each batch, the out-of-memory recoveries, the loss, and the error raised, if any.
 """
 
 import os
@@ -160,13 +161,17 @@ def main():
     error = None
     history = None
     try:
-        history = model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[guard, ks])
+        history = model.fit(
+            x, y, batch_size=batch, epochs=1, verbose=0,
+            callbacks=[guard, keras_memguard.MemoryMonitor(), ks],
+        )
     except Exception as raised:  # noqa: BLE001 - reported to the test.
         error = f"{type(raised).__name__}: {raised}"
     emit_result({
         "batches": len(ks.ks),
         "expected_batches": -(-len(x) // batch),
         "ks": ks.ks,
+        "usages": ks.usages,
         "jit_compile": bool(model.jit_compile),
         "oom_recoveries": guard.oom_recoveries,
         "loss": None if history is None else history.history["loss"],

@@ -290,8 +290,8 @@ class TfTrainingRun:
                 messages.log_plan(planned, batch_size)
             # The probes' blocks (a failed one reaches the limit) are not
             # the step's: its peak, and what it takes beyond the analysis,
-            # are read from here.
-            session.read()
+            # are read from here, by the guard and by every other reader.
+            session.read_aside()
         self._compiled_plan, self._block_rounding = planned, rounding
         if controller.state.micro_batches != planned.micro_batches:
             controller.set_micro_batches(planned.micro_batches)
@@ -319,7 +319,7 @@ class TfTrainingRun:
         session = self.session
 
         def in_use():
-            return self._in_use(session.read())
+            return self._in_use(session.read_aside())
 
         # The largest count that failed the probe, the smallest that passed.
         lowest, failed, found, rounding = start, None, None, 0
