@@ -535,3 +535,40 @@ def test_a_model_trained_with_the_guard_can_be_freed():
     del model, guard
     gc.collect()
     assert ref() is None
+
+
+_STATE_BEYOND_THE_CAP = """
+import keras
+import numpy as np
+
+import keras_memguard
+from keras_memguard.testing import emit_result
+
+keras.utils.set_random_seed(0)
+# 64 MiB of weights: with Adam's two slots 192 MiB, over the 160 MiB cap.
+model = keras.Sequential(
+    [keras.Input((2048,)), keras.layers.Dense(4096), keras.layers.Dense(2048)]
+)
+model.compile(optimizer="adam", loss="mse")
+x = np.zeros((64, 2048), "float32")
+guard = keras_memguard.MemoryGuard(plan_cache=False)
+try:
+    model.fit(x, x, batch_size=32, epochs=1, verbose=0, callbacks=[guard])
+    error = None
+except Exception as raised:  # reported to the test
+    error = f"{type(raised).__name__}: {raised}"
+emit_result({"error": error, "oom_recoveries": guard.oom_recoveries})
+"""
+
+
+@pytest.mark.slow
+def test_training_state_that_does_not_fit_is_refused_with_its_cause():
+    # Adam's slots run out of memory as Keras creates them before the first
+    # step: no split can help, and TensorFlow's own message names one slot.
+    run = run_with_memory_cap(_STATE_BEYOND_THE_CAP, memory_limit_mib=160, as_gpu=True)
+    error = run.result["error"]
+    assert error.startswith(
+        "MicroBatchTooLargeError: The model's training state does not fit"
+    ), error
+    assert "trainable weights take 64.0 MiB, and the optimizer (Adam) keeps" in error, error
+    assert run.result["oom_recoveries"] == 0, run.result

@@ -15,11 +15,14 @@ micro-batch's forward pass, are the exception.
 compiled function of a model in one cache keyed on what it captured.
 """
 
+import math
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
+from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.backends import compat
 from keras_memguard.backends.tensorflow import remat
@@ -122,11 +125,37 @@ def build_training_state(model, data):
     if isinstance(keras.tree.flatten(data)[0], tf.distribute.DistributedValues):
         return  # `fit` already built it under the strategy.
     try:
-        compat.symbolic_build(model, data)
-    except (ValueError, NotImplementedError, TypeError, RuntimeError):
-        if not trains_with_own_step(model):
-            raise
-        build_optimizer(model)
+        try:
+            compat.symbolic_build(model, data)
+        except (ValueError, NotImplementedError, TypeError, RuntimeError):
+            if not trains_with_own_step(model):
+                raise
+            build_optimizer(model)
+    except tf.errors.ResourceExhaustedError as error:
+        raise state_does_not_fit(model, error) from error
+
+
+def state_does_not_fit(model, error):
+    """The error for training state that ran out of memory as it was created.
+
+    No micro-batch count changes the memory the model's weights and its
+    optimizer's slots take, so the guard stops with what does not fit
+    rather than TensorFlow's message about one of the variables.
+    """
+    weights = sum(
+        math.prod(v.shape) * np.dtype(v.dtype).itemsize for v in model.trainable_weights
+    )
+    optimizer = type(model.optimizer).__name__ if model.optimizer else "none"
+    return MicroBatchTooLargeError(
+        "The model's training state does not fit in device memory: creating it "
+        "before the first step ran out of memory. Its trainable weights take "
+        f"{weights / 2**20:.1f} MiB, and the optimizer ({optimizer}) keeps "
+        "variables of its own beside them (Adam two per weight, SGD with "
+        "momentum one); no "
+        "micro-batch count makes room for them. HINT: an optimizer that keeps "
+        "less per weight, mixed precision, a smaller model, or less held on "
+        f"the device beside it. TensorFlow said: {error.message.splitlines()[0]}"
+    )
 
 
 def _update_output_losses(model, output_losses):
