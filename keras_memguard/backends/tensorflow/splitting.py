@@ -119,9 +119,19 @@ def slice_rows(item, start, size):
         # Unknown rank: a retrace generalized the shape (`reduce_retracing`).
         return item[start : start + size]
     # `tf.slice` (dynamic start, size constant per loop) compiles with XLA.
+    # The inner extents are the item's own, not -1: with a start known only
+    # at run time, XLA lowers a -1 extent by padding the item by its whole
+    # size in every dimension (2^rank times the batch's bytes, inside the
+    # micro-batch loop); a static extent is a plain dynamic slice.
     rank = item.shape.rank
     begin = tf.stack([start] + [0] * (rank - 1))
-    extent = tf.stack([size] + [-1] * (rank - 1))
+    extent = tf.concat(
+        [
+            tf.reshape(tf.cast(size, begin.dtype), [1]),
+            tf.shape(item, out_type=begin.dtype)[1:],
+        ],
+        0,
+    )
     sliced = tf.slice(item, begin, extent)
     # A dynamic `extent` hides every dimension; the inner ones are the
     # batch's (Keras 3.8's Flatten needs them known).

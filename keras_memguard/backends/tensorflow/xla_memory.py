@@ -80,6 +80,14 @@ def memory_of_buffer_assignment(assignment, micro_batches):
 # takes the whole block.
 BFC_SPLIT_REMAINDER_BYTES = 128 * 2**20
 
+# A buffer smaller than one that found no free block by less than this
+# share of it is taken to find none either. The free blocks' sizes are not
+# known, each try that fails waits 10 s in the allocator, and where a
+# count's largest buffer is mostly memory no split shrinks (accumulators),
+# count after count differs from it by a few KiB; a count skipped this way
+# leaves a larger one, which splits more, not one that runs out of memory.
+NEAR_FAILED_BLOCK_SHARE = 0.125
+
 
 def fits_in_free_block(memory, free_bytes):
     """Tells whether a compiled step's buffers fit in one free block.
@@ -182,7 +190,8 @@ def still_fails(memory, failed_block, in_use_bytes):
 
     No free block held `failed_block.size_bytes`; while no memory was freed
     since (the memory in use is no lower), none holds a buffer at least as
-    large either. Answering that without trying matters: TensorFlow's
+    large either, and one smaller by under `NEAR_FAILED_BLOCK_SHARE` of it
+    is taken to find none. Answering that without trying matters: TensorFlow's
     allocator waits up to 10 seconds for memory to be freed before an
     allocation fails (its retry on failure), so every failed probe stalls
     training that long.
@@ -199,5 +208,6 @@ def still_fails(memory, failed_block, in_use_bytes):
         failed_block is not None
         and in_use_bytes is not None
         and in_use_bytes >= failed_block.in_use_bytes
-        and memory.largest_allocation_bytes >= failed_block.size_bytes
+        and memory.largest_allocation_bytes
+        >= failed_block.size_bytes * (1.0 - NEAR_FAILED_BLOCK_SHARE)
     )
