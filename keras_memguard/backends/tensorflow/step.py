@@ -15,17 +15,16 @@ micro-batch's forward pass, are the exception.
 compiled function of a model in one cache keyed on what it captured.
 """
 
-import math
 import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.backends import compat
 from keras_memguard.backends.tensorflow import remat
+from keras_memguard.backends.tensorflow.setup import gradient_bytes
 from keras_memguard.backends.tensorflow.accumulation import ACCUMULATED_ATTR
 from keras_memguard.backends.tensorflow.accumulation import _micro_batch
 from keras_memguard.backends.tensorflow.accumulation import accumulate_gradients
@@ -142,17 +141,15 @@ def state_does_not_fit(model, error):
     optimizer's slots take, so the guard stops with what does not fit
     rather than TensorFlow's message about one of the variables.
     """
-    weights = sum(
-        math.prod(v.shape) * np.dtype(v.dtype).itemsize for v in model.trainable_weights
-    )
+    weights = gradient_bytes(model)
     optimizer = type(model.optimizer).__name__ if model.optimizer else "none"
     return MicroBatchTooLargeError(
         "The model's training state does not fit in device memory: creating it "
         "before the first step ran out of memory. Its trainable weights take "
         f"{weights / 2**20:.1f} MiB, and the optimizer ({optimizer}) keeps "
         "variables of its own beside them (Adam two per weight, SGD with "
-        "momentum one); no "
-        "micro-batch count makes room for them. HINT: an optimizer that keeps "
+        "momentum one); no micro-batch count makes room for them. HINT: an "
+        "optimizer that keeps "
         "less per weight, mixed precision, a smaller model, or less held on "
         f"the device beside it. TensorFlow said: {error.message.splitlines()[0]}"
     )
