@@ -191,6 +191,38 @@ def test_the_finders_compiled_search_cuts_buffers_from_the_block_free_not_the_ta
     assert whole == 32
 
 
+def test_a_count_that_fits_but_finds_no_free_block_is_refused_with_that_cause():
+    # keras.io's bidirectional LSTM compiled with XLA under 296 MiB: its
+    # step keeps a buffer of 185 MiB or more at every count (bench/
+    # RESULTS.md), which fits the target in total and found no free block.
+    # The refusal said only that the step needs 218.4 MiB, 74% of the
+    # limit, under the 90% target: a step that reads as one that fits.
+    from types import SimpleNamespace
+
+    from keras_memguard.callbacks.oom_report import compiled_step_too_large
+    from keras_memguard.compiled_plan import plan_micro_batches
+
+    mib = 2**20
+    limit, in_use = 296 * mib, int(32.6 * mib)
+
+    def analyse(k):
+        temp = int((185 + 311 / k) * mib)
+        return StepMemory(k, in_use, 0, temp, 0, largest_allocation_bytes=temp)
+
+    planned = plan_micro_batches(
+        analyse, 128, limit, threshold=0.9, in_use_bytes=in_use, min_micro_batches=128
+    )
+    assert planned.fits and planned.micro_batches == 128, planned
+    session = SimpleNamespace(controller=SimpleNamespace(limit_bytes=limit))
+    failed = FailedBlock(size_bytes=planned.memory.largest_allocation_bytes, in_use_bytes=in_use)
+    error = compiled_step_too_large(session, planned, 128, in_use, failed)
+    assert "its largest buffer at that count, 187.4 MiB, finds no free block" in str(error), error
+    assert "counting the 32.6 MiB in use" in str(error), error
+    # Where no probe failed (the count does not fit in total), it says so alone.
+    plain = compiled_step_too_large(session, planned._replace(fits=False), 128, in_use)
+    assert "no free block" not in str(plain)
+
+
 def test_the_planners_examples_run():
     import doctest
 

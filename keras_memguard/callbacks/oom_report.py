@@ -149,17 +149,30 @@ def compiled_step_error(session, explanation, weights_path, call="fit"):
     return CompiledStepOutOfMemoryError(message, weights_path=weights_path)
 
 
-def compiled_step_too_large(session, planned, batch_size, in_use_bytes):
-    """The error for an XLA step no count fits, raised before it runs."""
+def compiled_step_too_large(session, planned, batch_size, in_use_bytes, failed_block=None):
+    """The error for an XLA step no count fits, raised before it runs.
+
+    Where the last count fits in total, what stopped it is the free block
+    its largest buffer did not find (`failed_block`, from the probe, is
+    not `None`): said with the buffer's size, since a step under the
+    target would otherwise read as one that fits.
+    """
     limit = session.controller.limit_bytes
     memory = planned.memory
     peak = None if memory is None else (in_use_bytes or 0) + memory.demand_bytes
+    no_block = ""
+    if planned.fits and failed_block is not None and memory is not None:
+        no_block = (
+            "; its largest buffer at that count, "
+            f"{messages.mib_text(memory.largest_allocation_bytes)}, finds no free "
+            "block that large (the free memory is in smaller pieces)"
+        )
     message = (
         f"No micro-batch count fits a batch of {batch_size} in the XLA-compiled "
-        f"train step: {planned.reason}, beside "
-        f"{messages.mib_text(in_use_bytes)} in use. The step was not run (an "
-        "out-of-memory error inside an XLA program can abort the process). "
-        "HINT: a smaller batch, `mode=\"shrink\"`, mixed precision, or "
-        "`jit_compile=False`."
+        f"train step: {planned.reason}, counting the "
+        f"{messages.mib_text(in_use_bytes)} in use{no_block}. The step was not "
+        "run (an out-of-memory error inside an XLA program can abort the "
+        "process). HINT: a smaller batch, `mode=\"shrink\"`, mixed precision, "
+        "or `jit_compile=False`."
     )
     return MicroBatchTooLargeError(message, peak_bytes=peak, limit_bytes=limit)

@@ -369,7 +369,9 @@ class TfTrainingRun:
                     f"{batch_size} beside the accumulators"
                 )
             ):
-                raise oom_report.compiled_step_too_large(session, planned, batch_size, before)
+                raise oom_report.compiled_step_too_large(
+                    session, planned, batch_size, before, failed_block
+                )
             lowest, failed = start, None
 
     def _contribute(self, logs):
