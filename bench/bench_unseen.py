@@ -85,6 +85,8 @@ MODELS = {
     "decoder_masked": 32,
     "mixed_convnet": 128,
     "mixed_encoder": 64,
+    "bilstm": 128,
+    "seq2seq": 64,
 }
 
 
@@ -133,6 +135,10 @@ def build(name):
         return model, x, rng.integers(0, 10, samples), batch
     if name == "mixed_encoder":
         return _mixed_encoder(rng, samples, batch)
+    if name == "bilstm":
+        return _bilstm(rng, samples, batch)
+    if name == "seq2seq":
+        return _seq2seq(rng, samples, batch)
     # A pre-norm GPT-style decoder: 3 blocks, width 96, 96 tokens, 3000 logits.
     vocabulary, tokens, width = 3000, 96, 96
     ids = keras.Input((tokens,), dtype="int32")
@@ -190,6 +196,74 @@ def _mixed_encoder(rng, samples, batch):
     lengths = rng.integers(tokens // 4, tokens + 1, samples)
     x[np.arange(tokens)[None, :] >= lengths[:, None]] = 0
     return model, x, rng.integers(0, 2, samples), batch
+
+
+def _bilstm(rng, samples, batch):
+    """keras.io's bidirectional LSTM on IMDB: 200 token ids, two stacked
+    `Bidirectional(LSTM(64))`, a sigmoid output; Adam, binary
+    cross-entropy, `accuracy`. Recurrent, no convolutions: XLA on the CPU
+    runs its loop at full speed."""
+    import keras
+
+    layers = keras.layers
+    vocabulary, tokens = 20000, 200
+    ids = keras.Input((tokens,), dtype="int32")
+    h = layers.Embedding(vocabulary, 128)(ids)
+    h = layers.Bidirectional(layers.LSTM(64, return_sequences=True))(h)
+    h = layers.Bidirectional(layers.LSTM(64))(h)
+    model = keras.Model(ids, layers.Dense(1, activation="sigmoid")(h))
+    model.compile("adam", "binary_crossentropy", metrics=["accuracy"])
+    x = rng.integers(1, vocabulary, size=(samples, tokens)).astype("int32")
+    return model, x, rng.integers(0, 2, samples), batch
+
+
+def _seq2seq(rng, samples, batch):
+    """keras.io's English-to-Spanish sequence-to-sequence Transformer,
+    smaller: two inputs (source and shifted target token ids, padded and
+    masked with `mask_zero`), an encoder block, a decoder block with causal
+    self-attention and cross-attention, 8000 logits per token; RMSprop,
+    cross-entropy with `ignore_class=0` (a mean over the unpadded tokens),
+    `accuracy`."""
+    import keras
+    import numpy as np
+
+    layers = keras.layers
+    vocabulary, tokens, width, heads, latent = 8000, 20, 256, 8, 1024
+
+    def embed(ids):
+        h = layers.Embedding(vocabulary, width, mask_zero=True)(ids)
+        return h + layers.Embedding(tokens, width)(keras.ops.arange(tokens))
+
+    def feed_forward(h):
+        fed = layers.Dense(width)(layers.Dense(latent, activation="relu")(h))
+        return layers.LayerNormalization()(h + fed)
+
+    source = keras.Input((tokens,), dtype="int32", name="encoder_inputs")
+    target = keras.Input((tokens,), dtype="int32", name="decoder_inputs")
+    h = embed(source)
+    h = layers.LayerNormalization()(h + layers.MultiHeadAttention(heads, width)(h, h))
+    encoded = feed_forward(h)
+    d = embed(target)
+    attended = layers.MultiHeadAttention(heads, width)(d, d, use_causal_mask=True)
+    d = layers.LayerNormalization()(d + attended)
+    attended = layers.MultiHeadAttention(heads, width)(d, encoded, encoded)
+    d = feed_forward(layers.LayerNormalization()(d + attended))
+    logits = layers.Dense(vocabulary)(layers.Dropout(0.5)(d))
+    model = keras.Model([source, target], logits)
+    model.compile(
+        "rmsprop",
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0),
+        metrics=["accuracy"],
+    )
+
+    def padded(length):
+        ids = rng.integers(1, vocabulary, size=(samples, length)).astype("int32")
+        ends = rng.integers(4, length + 1, samples)
+        ids[np.arange(length)[None, :] >= ends[:, None]] = 0
+        return ids
+
+    spanish = padded(tokens + 1)
+    return model, [padded(tokens), spanish[:, :-1]], spanish[:, 1:], batch
 
 
 # --- children ---------------------------------------------------------------
