@@ -393,10 +393,8 @@ def find_batch_size(
                 # reads them instead of running steps, and one step at the
                 # answer confirms it (an error inside an XLA program can
                 # leave the process unable to go on).
-                held = baseline + fit_input_bytes
-                found, needed = backend.largest_compiled(
-                    model, source, target - held, limit - held, best[0], upper
-                )
+                room = target - baseline - fit_input_bytes
+                found, needed = backend.largest_compiled(model, source, room, best[0], upper)
                 if found is None:
                     compiled = False  # Not readable here: measure instead.
                 elif found <= best[0]:
@@ -554,11 +552,11 @@ def _first_compiled_trial(model, backend, probe, source, size, target, limit):
     it). Where the program cannot be read here, `size`.
     """
     in_use = _in_use_now(probe) or 0.0
-    room, free = target - in_use, limit - in_use
-    found, needed = backend.largest_compiled(model, source, room, free, size, size)
+    room = target - in_use
+    found, needed = backend.largest_compiled(model, source, room, size, size)
     if found is None or needed <= room:
         return size
-    found, needed = backend.largest_compiled(model, source, room, free, 1, size - 1)
+    found, needed = backend.largest_compiled(model, source, room, 1, size - 1)
     if found is None:
         return size
     if needed > room:

@@ -295,6 +295,75 @@ def test_on_xla_the_first_trial_runs_only_where_its_compiled_step_fits():
     assert _in_a_fresh_process("fit", "rows", "auto", answer, cap_mib=50)["trained"], found
 
 
+# A one-convolution model compiled with XLA (about 3 MiB of temporaries a
+# sample, so the search is a few probes) in a capped process whose free
+# memory is in pieces: six blocks of 40 MiB laid end to end, every other one
+# freed, and about 14 MiB after them. The search's largest batch, read from
+# the compiled step alone.
+_FRAGMENTED_SEARCH = """
+import gc
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_memguard.backends.tensorflow import finder
+from keras_memguard.backends.tensorflow import xla_memory
+from keras_memguard.backends.tensorflow.step import build_training_state
+from keras_memguard.testing import emit_result
+
+MIB = 2**20
+keras.utils.set_random_seed(0)
+model = keras.Sequential([
+    keras.Input((64, 64, 3)),
+    keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+    keras.layers.GlobalAveragePooling2D(),
+    keras.layers.Dense(10),
+])
+model.compile("sgd", "sparse_categorical_crossentropy", jit_compile=True)
+x = np.zeros((1, 64, 64, 3), "float32")
+y = np.zeros((1,), "int64")
+build_training_state(model, (x, y))
+
+
+class OneSample:
+    def first_sample(self):
+        return x, y, None
+
+
+blocks = [tf.raw_ops.Empty(shape=[40 * MIB], dtype=tf.uint8, init=False) for _ in range(6)]
+held = blocks[1::2]
+del blocks
+gc.collect()
+free = 270 * MIB - tf.config.experimental.get_memory_info("CPU:0")["current"]
+found, _ = finder.largest_compiled(model, OneSample(), free, 1, 1 << 16)
+step = tf.function(model.train_step, jit_compile=True)
+batch = (tf.zeros((found, 64, 64, 3)), tf.zeros((found,), "int64"))
+memory = xla_memory.step_memory(step, batch, 1)
+emit_result({"found": found, "free_mib": free / MIB,
+             "largest_mib": memory.largest_allocation_bytes / MIB})
+"""
+
+
+@pytest.mark.slow
+def test_on_xla_the_answers_buffers_are_placed_on_the_device_before_it_runs():
+    # By the allocator's rule over the memory free (134 MiB in four pieces)
+    # the step's largest buffer could reach half of it, where no piece holds
+    # more than 40 MiB: the one step the search runs at its answer would run
+    # out of memory inside the XLA program, which can end the process. Each
+    # batch's buffers are now placed on the device before it is kept.
+    from keras_memguard.testing import run_with_memory_cap
+
+    run = run_with_memory_cap(
+        _FRAGMENTED_SEARCH, memory_limit_mib=270, timeout=300, as_gpu=True, check=False
+    )
+    assert run.result is not None, run.stderr[-3000:]
+    found = run.result
+    assert found["free_mib"] > 120, found
+    # As large as a piece allows (about 3 MiB a sample), and no larger.
+    assert 34 < found["largest_mib"] <= 40, found
+
+
 @pytest.mark.slow
 def test_on_xla_a_sample_whose_compiled_step_does_not_fit_is_refused_without_a_step():
     # The same MLP under 16 MiB: not even one sample's compiled step fits.

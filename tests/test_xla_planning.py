@@ -153,44 +153,6 @@ def test_after_no_free_block_a_count_already_read_is_tried_before_a_new_compile(
     assert count_after_no_free_block(alone) == 12
 
 
-class _OneSample:
-    """What the finder's compiled search reads of its input: one sample."""
-
-    def __init__(self, x, y):
-        self.sample = (x[:1], y[:1], None)
-
-    def first_sample(self):
-        return self.sample
-
-
-def test_the_finders_compiled_search_cuts_buffers_from_the_block_free_not_the_target():
-    # `find_batch_size` on XLA bounds a step's demand by the target and asks
-    # whether its largest buffer can be cut from the free memory. It asked
-    # the second of the target's share instead: a step whose largest buffer
-    # is over half of that share but under half of the free block was
-    # answered as if that buffer took the whole block (a mixed-precision
-    # Transformer under 257 MiB: 15 where plain `fit` trains 17).
-    from keras_memguard.backends.tensorflow import finder
-
-    model = _mlp(jit_compile=True)
-    x, y = (t.numpy() for t in _batch(64))
-    build_training_state(model, _batch(64))
-    step = tf.function(model.train_step, jit_compile=True)
-    at_64 = step_memory(step, _batch(64), 1)
-    held = x.nbytes + y.nbytes
-    needed = at_64.demand_bytes + held
-    largest = at_64.largest_allocation_bytes
-    # Most of the step is one buffer: it cannot be cut from a block twice
-    # the demand less a little, and can from a block twice its size.
-    assert 2 * largest > needed, at_64
-    room = needed + 1024
-    source = _OneSample(x, y)
-    cut, _ = finder.largest_compiled(model, source, room, 2 * largest + held + 1024, 32, 64)
-    assert cut == 64
-    whole, _ = finder.largest_compiled(model, source, room, room, 32, 64)
-    assert whole == 32
-
-
 def test_a_count_that_fits_but_finds_no_free_block_is_refused_with_that_cause():
     # keras.io's bidirectional LSTM compiled with XLA under 296 MiB: its
     # step keeps a buffer of 185 MiB or more at every count (bench/

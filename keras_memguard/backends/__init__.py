@@ -43,7 +43,7 @@ A backend's `protocol` module provides:
   `uses_compiled_step(model)`, and for trials `run_trial(model, probe,
   source, size)` (which raises `TrialsCannotGoOn` where no further trial
   can run in this process) and `largest_compiled(model, source, room,
-  free, ran, upper)`,
+  ran, upper)`,
   for a compiled search `step_analyser(model, first)`.
 - `advice()`: the backend's `advice` module, what `advise`'s measuring
   child asks of it: `NAME`, `UNAVAILABLE` (`{variant: reason}` for the

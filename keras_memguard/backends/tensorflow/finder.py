@@ -168,7 +168,7 @@ def _left_by_a_failed_step(error):
     return "TemporaryVariable" in str(error) or "/tmp_var" in str(error)
 
 
-def largest_compiled(model, source, room, free, ran, upper):
+def largest_compiled(model, source, room, ran, upper):
     """`(batch, bytes)`: the largest batch whose XLA step fits in `room`.
 
     From XLA's buffer assignment of the model's own train step compiled
@@ -177,21 +177,18 @@ def largest_compiled(model, source, room, free, ran, upper):
     argument. Doubling from `ran` (a batch that ran), then bisection.
     `(None, 0.0)` when the compiled program cannot be read here.
 
-    `room` (the target's share of the memory) bounds what the step needs;
-    whether its buffers can be cut from the free memory is the allocator's
-    rule over the block it really has (`free`): a smaller stand-in for the
-    block makes a step whose largest buffer is near half of it look as if
-    that buffer took the whole block. A batch that passes both is then
-    tried on the device (`xla_memory.allocates`, with its batch held, as
-    in `fit`): a free memory split in pieces fails there, as an ordinary
-    error outside any XLA program, instead of inside the step that runs
-    at the answer.
+    The largest buffer must be cut from `room`, not from all the memory
+    free: a fresh `fit`'s free memory is not one block, and the target's
+    margin stands for what it lacks (bench/RESULTS.md). A batch that
+    passes is then tried on the device (`xla_memory.allocates`, with its
+    batch held, as in `fit`): where the free memory here is in smaller
+    pieces, that fails as an ordinary error outside any XLA program, not
+    inside the step the search runs at its answer.
 
     Args:
         model: A compiled Keras model that trains with XLA.
         source: The search's input (`first_sample()`).
         room: Bytes the step and its batch may take.
-        free: Bytes free for the step and its batch.
         ran: A batch that ran.
         upper: The largest batch to consider (may be `inf`).
 
@@ -224,14 +221,13 @@ def largest_compiled(model, source, room, free, ran, upper):
         memory = xla_memory.step_memory(step, data, 1)
         if memory is None:
             return None
-        needed = memory.demand_bytes + held
         # The batch is in memory before the step; its buffers go in what
         # is left, where the allocator may give the largest the whole block.
-        if needed > room or not xla_memory.fits_in_free_block(memory, free - held):
+        if not xla_memory.fits_in_free_block(memory, room - held):
             return float("inf")
         if xla_memory.allocates(memory).beyond_bytes is None:
             return float("inf")
-        return needed
+        return memory.demand_bytes + held
 
     fits, fitting = ran, demand(ran)
     if fitting is None:

@@ -153,7 +153,7 @@ def uses_compiled_step(model):
     return False
 
 
-def largest_compiled(model, source, room, free, ran, upper):
+def largest_compiled(model, source, room, ran, upper):
     """Not used: `uses_compiled_step` is never true here."""
     return None, 0.0
 
