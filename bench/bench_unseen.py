@@ -143,8 +143,7 @@ def build(name):
     vocabulary, tokens, width = 3000, 96, 96
     ids = keras.Input((tokens,), dtype="int32")
     masked = name == "decoder_masked"
-    h = layers.Embedding(vocabulary, width, mask_zero=masked)(ids)
-    h = h + layers.Embedding(tokens, width)(keras.ops.arange(tokens))
+    h = _tokens_and_positions(ids, vocabulary, tokens, width, mask_zero=masked)
     for _ in range(3):
         n = layers.LayerNormalization()(h)
         h = h + layers.MultiHeadAttention(3, width // 3)(n, n, use_causal_mask=True)
@@ -166,6 +165,15 @@ def build(name):
     return model, x, y, batch
 
 
+def _tokens_and_positions(ids, vocabulary, tokens, width, mask_zero):
+    """Token embeddings plus learned position embeddings, as keras.io's
+    Transformer examples build them."""
+    import keras
+
+    h = keras.layers.Embedding(vocabulary, width, mask_zero=mask_zero)(ids)
+    return h + keras.layers.Embedding(tokens, width)(keras.ops.arange(tokens))
+
+
 def _mixed_encoder(rng, samples, batch):
     """keras.io's Transformer text classifier, larger, in mixed precision:
     padded token ids masked (`mask_zero`) through attention and pooling,
@@ -177,8 +185,7 @@ def _mixed_encoder(rng, samples, batch):
     layers = keras.layers
     vocabulary, tokens, width = 8000, 128, 128
     ids = keras.Input((tokens,), dtype="int32")
-    h = layers.Embedding(vocabulary, width, mask_zero=True)(ids)
-    h = h + layers.Embedding(tokens, width)(keras.ops.arange(tokens))
+    h = _tokens_and_positions(ids, vocabulary, tokens, width, mask_zero=True)
     for _ in range(4):
         attended = layers.MultiHeadAttention(4, width // 4)(h, h)
         h = layers.LayerNormalization(epsilon=1e-6)(h + layers.Dropout(0.1)(attended))
@@ -230,20 +237,16 @@ def _seq2seq(rng, samples, batch):
     layers = keras.layers
     vocabulary, tokens, width, heads, latent = 8000, 20, 256, 8, 1024
 
-    def embed(ids):
-        h = layers.Embedding(vocabulary, width, mask_zero=True)(ids)
-        return h + layers.Embedding(tokens, width)(keras.ops.arange(tokens))
-
     def feed_forward(h):
         fed = layers.Dense(width)(layers.Dense(latent, activation="relu")(h))
         return layers.LayerNormalization()(h + fed)
 
     source = keras.Input((tokens,), dtype="int32", name="encoder_inputs")
     target = keras.Input((tokens,), dtype="int32", name="decoder_inputs")
-    h = embed(source)
+    h = _tokens_and_positions(source, vocabulary, tokens, width, mask_zero=True)
     h = layers.LayerNormalization()(h + layers.MultiHeadAttention(heads, width)(h, h))
     encoded = feed_forward(h)
-    d = embed(target)
+    d = _tokens_and_positions(target, vocabulary, tokens, width, mask_zero=True)
     attended = layers.MultiHeadAttention(heads, width)(d, d, use_causal_mask=True)
     d = layers.LayerNormalization()(d + attended)
     attended = layers.MultiHeadAttention(heads, width)(d, encoded, encoded)
