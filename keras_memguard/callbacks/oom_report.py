@@ -149,23 +149,24 @@ def compiled_step_error(session, explanation, weights_path, call="fit"):
     return CompiledStepOutOfMemoryError(message, weights_path=weights_path)
 
 
-def compiled_step_too_large(session, planned, batch_size, in_use_bytes, failed_block=None):
+def compiled_step_too_large(session, planned, batch_size, in_use_bytes, no_free_block=False):
     """The error for an XLA step no count fits, raised before it runs.
 
-    Where the last count fits in total, what stopped it is the free block
-    its largest buffer did not find (`failed_block`, from the probe, is
-    not `None`): said with the buffer's size, since a step under the
-    target would otherwise read as one that fits.
+    Where the last count fits in total, what stopped it is that its
+    buffers found no place in the free memory (`no_free_block`: a probe
+    of them failed): said with the largest buffer's size, since a step
+    under the target would otherwise read as one that fits.
     """
     limit = session.controller.limit_bytes
     memory = planned.memory
     peak = None if memory is None else (in_use_bytes or 0) + memory.demand_bytes
     no_block = ""
-    if planned.fits and failed_block is not None and memory is not None:
+    if planned.fits and no_free_block:
         no_block = (
-            "; its largest buffer at that count, "
-            f"{messages.mib_text(memory.largest_allocation_bytes)}, finds no free "
-            "block that large (the free memory is in smaller pieces)"
+            "; its buffers at that count (the largest "
+            f"{messages.mib_text(memory.largest_allocation_bytes)}, allocated in one "
+            "piece) found no place in the free memory, which is in smaller pieces "
+            "or is a block the allocator would hand whole to that buffer"
         )
     message = (
         f"No micro-batch count fits a batch of {batch_size} in the XLA-compiled "

@@ -370,7 +370,7 @@ class TfTrainingRun:
                 )
             ):
                 raise oom_report.compiled_step_too_large(
-                    session, planned, batch_size, before, failed_block
+                    session, planned, batch_size, before, failed is not None
                 )
             lowest, failed = start, None
 
