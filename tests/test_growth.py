@@ -238,7 +238,7 @@ def test_models_built_in_a_loop_are_found_across_fit_calls():
 def test_retracing_on_new_shapes_is_found_with_the_traces_counted():
     result = _case("retrace")
     host = result["results"]["check:host"]
-    assert host["growing"] and host["slope_mib"] >= 1.0 and host["points"] == 6, host
+    assert host["growing"] and host["slope_mib"] >= 1.0 and host["points"] == 8, host
     traced = [t for t in host["texts"] if "traced graphs" in t]
     assert traced and "(1 at the start)" in traced[0], host["texts"]
 
