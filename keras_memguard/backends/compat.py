@@ -69,6 +69,7 @@ PRIVATE_NAMES = (
     ("keras.Model", "_autoconvert_optionals"),
     ("tensorflow.core.protobuf.bfc_memory_map_pb2", "MemoryDump"),
     ("tensorflow.compiler.xla.service.hlo_pb2", "HloProto"),
+    ("tensorflow.compiler.tf2xla.python.xla", "optimization_barrier"),
     ("keras.src.losses.loss", "apply_mask"),
     ("tf.function", "_omit_frequent_tracing_warning"),
     ("keras.src.trainers.data_adapters", "get_data_adapter"),
@@ -441,6 +442,19 @@ def parse_hlo_proto(data):
         ValueError: If `data` is not an `HloProto`.
     """
     return _parse_proto("tensorflow.compiler.xla.service.hlo_pb2", "HloProto", data)
+
+
+def hidden_from_xla(value):
+    """`value`, an `int32` scalar, passed through XLA's optimization barrier.
+
+    XLA compiles what comes out of the barrier as a value it does not know,
+    so no pass folds it. Only inside an XLA-compiled function: outside one
+    the op has no kernel.
+    """
+    import tensorflow as tf
+
+    barrier = _import_attribute("tensorflow.compiler.tf2xla.python.xla", "optimization_barrier")
+    return barrier(tf.convert_to_tensor(value, tf.int32))[0]
 
 
 def set_cluster_value(key, value):

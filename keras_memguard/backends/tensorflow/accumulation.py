@@ -41,6 +41,7 @@ from keras_memguard.backends.tensorflow.splitting import make_micro_batch
 from keras_memguard.backends.tensorflow.splitting import maximum
 from keras_memguard.backends.tensorflow.splitting import plan_split
 from keras_memguard.backends.tensorflow.splitting import validate_micro_batches
+from keras_memguard.backends.tensorflow.xla_memory import uses_xla
 
 # Set on a model while one of its steps is traced and `accumulate_gradients`
 # ran: a `train_step` override that never calls it cannot be split.
@@ -482,6 +483,7 @@ def accumulate_gradients(
         engine.first,
         engine.rest,
         collect_outputs=keep_outputs,
+        xla=uses_xla(model),
     )
     return engine.result(carry, y_pred, batch_size)
 
@@ -521,7 +523,7 @@ class _Engine:
             self.model, micro_batch, self.variables, self.compute, weighted=True
         )
         self.layout = _gradient_layout(
-            part.gradients, keep_sparse=not _uses_xla(self.model)
+            part.gradients, keep_sparse=not uses_xla(self.model)
         )
         self.extra_names = sorted(part.extras)
         carry = _pack_gradients(part.gradients, self.layout, self.variables)
@@ -620,7 +622,7 @@ def build_metrics(model, y, y_pred):
         metrics.build(y, y_pred)
 
 
-def run_micro_batches(data, micro_batches, first, rest, collect_outputs=True):
+def run_micro_batches(data, micro_batches, first, rest, collect_outputs=True, xla=False):
     """Runs the micro-batches of a batch one after the other.
 
     `first(micro_batch) -> (carry, y_pred, growing)` runs micro-batch 0
@@ -643,6 +645,13 @@ def run_micro_batches(data, micro_batches, first, rest, collect_outputs=True):
     With `collect_outputs`, the micro-batches' outputs are kept and
     concatenated (the whole batch's `y_pred`); without, they are dropped
     as soon as each micro-batch is done.
+
+    With `xla` (the step is compiled by XLA), each loop's bound is hidden
+    from the compiler: XLA replaces a loop it can count to one iteration
+    by its body and then schedules that micro-batch beside micro-batch 0,
+    both alive together (a step of 2 micro-batches, or 3 of a batch that
+    does not divide by 3, needed what the whole batch needs). Hidden, the
+    loop stays a loop.
 
     Returns:
         `(carry, y_pred, batch_size)`: the last carry, the outputs of the
@@ -681,6 +690,7 @@ def run_micro_batches(data, micro_batches, first, rest, collect_outputs=True):
                 carry,
                 growing,
                 y_pred if collect_outputs else None,
+                xla,
             )
             outputs.append(part)
     batch_size = tf.shape(first_tensor(x), out_type=tf.int32)[0]
@@ -688,7 +698,7 @@ def run_micro_batches(data, micro_batches, first, rest, collect_outputs=True):
     return list(carry), y_pred, batch_size
 
 
-def _run_segment(xys, batch_size, split, segment, rest, carry, growing, y0):
+def _run_segment(xys, batch_size, split, segment, rest, carry, growing, y0, xla):
     """Runs micro-batches `begin .. end-1`, all of `size` samples, in a loop.
 
     With outputs to keep (`y0` not `None`), they are written into a
@@ -733,8 +743,11 @@ def _run_segment(xys, batch_size, split, segment, rest, carry, growing, y0):
         tf.TensorShape([None]).concatenate(t.shape[1:]) if grows else t.shape
         for t, grows in zip(carry, growing)
     ]
+    # Under XLA a loop of one known iteration would be inlined, and its
+    # micro-batch run beside micro-batch 0 (see `run_micro_batches`).
+    bound = compat.hidden_from_xla(end) if xla else end
     _, carry, buffers = tf.while_loop(
-        lambda i, carry, buffers: i < end,
+        lambda i, carry, buffers: i < bound,
         body,
         (tf.convert_to_tensor(begin, tf.int32), list(carry), buffers),
         shape_invariants=(
@@ -757,10 +770,6 @@ def _concat_rows(parts):
     return keras.tree.map_structure(
         lambda *items: tf.concat(items, axis=0), *parts
     )
-
-
-def _uses_xla(model):
-    return bool(getattr(model, "jit_compile", False))
 
 
 def _gradient_layout(gradients, keep_sparse):

@@ -34,6 +34,7 @@ from keras_memguard.backends.tensorflow.accumulation import flat_tensors
 from keras_memguard.backends.tensorflow.accumulation import run_micro_batches
 from keras_memguard.backends.tensorflow.splitting import validate_micro_batches
 from keras_memguard.backends.tensorflow.splitting import validate_mode
+from keras_memguard.backends.tensorflow import xla_memory
 
 _BATCH_STATS_WARNED_ATTR = "_memguard_batch_statistics_warned"
 _CACHE_ATTR = "_memguard_function_cache"
@@ -238,7 +239,8 @@ def _shrink_step(model, data, micro_batches):
         or type(model).compute_metrics is not keras.Model.compute_metrics
     )
     carry, y_pred, batch_size = run_micro_batches(
-        data, micro_batches, first, rest, collect_outputs=keep_outputs
+        data, micro_batches, first, rest, collect_outputs=keep_outputs,
+        xla=xla_memory.uses_xla(model),
     )
     return carry, y_pred, batch_size
 
