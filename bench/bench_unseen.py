@@ -87,6 +87,7 @@ MODELS = {
     "mixed_encoder": 64,
     "bilstm": 128,
     "seq2seq": 64,
+    "vit": 128,
 }
 
 
@@ -139,6 +140,8 @@ def build(name):
         return _bilstm(rng, samples, batch)
     if name == "seq2seq":
         return _seq2seq(rng, samples, batch)
+    if name == "vit":
+        return _vit(rng, samples, batch)
     # A pre-norm GPT-style decoder: 3 blocks, width 96, 96 tokens, 3000 logits.
     vocabulary, tokens, width = 3000, 96, 96
     ids = keras.Input((tokens,), dtype="int32")
@@ -267,6 +270,36 @@ def _seq2seq(rng, samples, batch):
 
     spanish = padded(tokens + 1)
     return model, [padded(tokens), spanish[:, :-1]], spanish[:, 1:], batch
+
+
+def _vit(rng, samples, batch):
+    """keras.io's Vision Transformer on CIFAR-sized images, smaller: 4x4
+    patches embedded by a strided convolution, learned positions, 4
+    pre-norm blocks (4 heads, width 96, attention dropout), AdamW, logits
+    with `accuracy` and top-5 accuracy. One convolution on the input only,
+    so XLA on the CPU runs its micro-batch loop at full speed."""
+    import keras
+
+    layers = keras.layers
+    patches, width = 64, 96
+    images = keras.Input((32, 32, 3))
+    h = layers.Reshape((patches, width))(layers.Conv2D(width, 4, strides=4)(images))
+    h = h + layers.Embedding(patches, width)(keras.ops.arange(patches))
+    for _ in range(4):
+        n = layers.LayerNormalization(epsilon=1e-6)(h)
+        h = h + layers.MultiHeadAttention(4, width // 4, dropout=0.1)(n, n)
+        n = layers.LayerNormalization(epsilon=1e-6)(h)
+        fed = layers.Dropout(0.1)(layers.Dense(2 * width, activation="gelu")(n))
+        h = h + layers.Dense(width)(fed)
+    h = layers.GlobalAveragePooling1D()(layers.LayerNormalization(epsilon=1e-6)(h))
+    model = keras.Model(images, layers.Dense(10)(h))
+    model.compile(
+        keras.optimizers.AdamW(1e-3),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(5)],
+    )
+    x = rng.random((samples, 32, 32, 3), dtype="float32")
+    return model, x, rng.integers(0, 10, samples), batch
 
 
 # --- children ---------------------------------------------------------------
