@@ -649,9 +649,10 @@ def run_micro_batches(data, micro_batches, first, rest, collect_outputs=True, xl
     With `xla` (the step is compiled by XLA), each loop's bound is hidden
     from the compiler: XLA replaces a loop it can count to one iteration
     by its body and then schedules that micro-batch beside micro-batch 0,
-    both alive together (a step of 2 micro-batches, or 3 of a batch that
-    does not divide by 3, needed what the whole batch needs). Hidden, the
-    loop stays a loop.
+    both alive together. Every count of 2, and any count whose split
+    leaves a loop of one micro-batch (3 of 128 is 43, 43 and 42: two such
+    loops), then needed what the whole batch, or two micro-batches, need.
+    Hidden, the loop stays a loop.
 
     Returns:
         `(carry, y_pred, batch_size)`: the last carry, the outputs of the
