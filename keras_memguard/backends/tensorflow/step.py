@@ -24,6 +24,7 @@ from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.backends import compat
 from keras_memguard.backends.tensorflow import remat
+from keras_memguard.backends.tensorflow import xla_memory
 from keras_memguard.backends.tensorflow.setup import gradient_bytes
 from keras_memguard.backends.tensorflow.accumulation import ACCUMULATED_ATTR
 from keras_memguard.backends.tensorflow.accumulation import _micro_batch
@@ -34,7 +35,6 @@ from keras_memguard.backends.tensorflow.accumulation import flat_tensors
 from keras_memguard.backends.tensorflow.accumulation import run_micro_batches
 from keras_memguard.backends.tensorflow.splitting import validate_micro_batches
 from keras_memguard.backends.tensorflow.splitting import validate_mode
-from keras_memguard.backends.tensorflow import xla_memory
 
 _BATCH_STATS_WARNED_ATTR = "_memguard_batch_statistics_warned"
 _CACHE_ATTR = "_memguard_function_cache"
