@@ -53,9 +53,9 @@ def test_check_growth_finds_arrays_kept_in_a_list():
     def leak():
         kept.append(jnp.ones((2048, 2048)) + len(kept))  # 16 MiB per call
 
-    # Eight calls of 16 MiB each: with 4 MiB, one reading a few MiB down
-    # (memory handed back to the system) left a half window short of the
-    # rise the test asks of both halves.
+    # Eight calls of 16 MiB each: with 4 MiB, the first calls could reuse
+    # memory freed before them, leaving one half of the window flat, short
+    # of the rise the test asks of both halves.
     results = keras_memguard.check_growth(leak, repeats=8, raise_on_growth=False)
     host = [r for r in results if r.name == "host"][0]
     assert host.growing and host.slope_mib >= 8.0, results
