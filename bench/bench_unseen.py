@@ -88,6 +88,8 @@ MODELS = {
     "bilstm": 128,
     "seq2seq": 64,
     "vit": 128,
+    "gru_masked": 256,
+    "two_heads": 1024,
 }
 
 
@@ -142,6 +144,10 @@ def build(name):
         return _seq2seq(rng, samples, batch)
     if name == "vit":
         return _vit(rng, samples, batch)
+    if name == "gru_masked":
+        return _gru_masked(rng, samples, batch)
+    if name == "two_heads":
+        return _two_heads(rng, samples, batch)
     # A pre-norm GPT-style decoder: 3 blocks, width 96, 96 tokens, 3000 logits.
     vocabulary, tokens, width = 3000, 96, 96
     ids = keras.Input((tokens,), dtype="int32")
@@ -206,6 +212,51 @@ def _mixed_encoder(rng, samples, batch):
     lengths = rng.integers(tokens // 4, tokens + 1, samples)
     x[np.arange(tokens)[None, :] >= lengths[:, None]] = 0
     return model, x, rng.integers(0, 2, samples), batch
+
+
+def _gru_masked(rng, samples, batch):
+    """A text classifier on padded token ids: an `Embedding` with
+    `mask_zero`, two stacked GRUs (the first returning sequences), both
+    skipping the padding through the mask; Adam, binary cross-entropy,
+    `accuracy`. The last quarter of every sequence is padding."""
+    import keras
+
+    layers = keras.layers
+    vocabulary, tokens = 5000, 200
+    ids = keras.Input((tokens,), dtype="int32")
+    h = layers.Embedding(vocabulary, 64, mask_zero=True)(ids)
+    h = layers.GRU(64)(layers.GRU(128, return_sequences=True)(h))
+    model = keras.Model(ids, layers.Dense(1, activation="sigmoid")(h))
+    model.compile("adam", "binary_crossentropy", metrics=["accuracy"])
+    x = rng.integers(1, vocabulary, size=(samples, tokens)).astype("int32")
+    x[:, 3 * tokens // 4:] = 0
+    return model, x, rng.integers(0, 2, samples), batch
+
+
+def _two_heads(rng, samples, batch):
+    """A multi-output MLP as users write one: three Dense-BatchNormalization-
+    ReLU-Dropout blocks of 1024, a dict of two heads (100-way logits and a
+    regression), a loss and a metric per head, `loss_weights`; Adam."""
+    import keras
+
+    layers = keras.layers
+    inputs = keras.Input((256,))
+    h = inputs
+    for _ in range(3):
+        h = layers.Dense(1024)(h)
+        h = layers.Dropout(0.3)(layers.Activation("relu")(layers.BatchNormalization()(h)))
+    model = keras.Model(
+        inputs, {"cls": layers.Dense(100, name="cls")(h), "reg": layers.Dense(1, name="reg")(h)}
+    )
+    model.compile(
+        "adam",
+        loss={"cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "reg": "mse"},
+        loss_weights={"cls": 1.0, "reg": 0.5},
+        metrics={"cls": ["accuracy"], "reg": ["mae"]},
+    )
+    x = rng.random((samples, 256), dtype="float32")
+    y = {"cls": rng.integers(0, 100, samples), "reg": rng.random((samples, 1), dtype="float32")}
+    return model, x, y, batch
 
 
 def _bilstm(rng, samples, batch):
