@@ -220,6 +220,40 @@ def test_a_count_that_fits_but_finds_no_place_in_the_free_memory_is_refused_with
     assert "found no place" not in str(plain)
 
 
+def test_a_refusal_offers_only_what_could_change_it():
+    # A two-headed MLP compiled with XLA under 46 MiB (bench/RESULTS.md):
+    # with `mode="shrink"` no count fits even at one sample a micro-batch,
+    # and the refusal's hint offered `mode="shrink"`.
+    from types import SimpleNamespace
+
+    from keras_memguard.callbacks.oom_report import compiled_step_too_large
+    from keras_memguard.compiled_plan import plan_micro_batches
+
+    mib = 2**20
+    limit, in_use = 46 * mib, int(37.4 * mib)
+
+    def analyse(k):
+        temp = int((8.8 + 30 / k) * mib)
+        return StepMemory(k, in_use, 0, temp, 0, largest_allocation_bytes=temp // 2)
+
+    planned = plan_micro_batches(analyse, 1024, limit, threshold=0.9, in_use_bytes=in_use)
+    assert not planned.fits, planned
+    session = SimpleNamespace(controller=SimpleNamespace(limit_bytes=limit))
+    shrinking = str(compiled_step_too_large(session, planned, 1024, in_use, shrinking=True))
+    assert 'mode="shrink"' not in shrinking and "a smaller batch" not in shrinking, shrinking
+    assert "threshold" not in shrinking, shrinking  # over the limit at any count
+    assert "HINT: less memory held beside the step" in shrinking, shrinking
+    accumulating = str(compiled_step_too_large(session, planned, 1024, in_use))
+    assert 'HINT: a smaller batch, `mode="shrink"` (no accumulators), ' in accumulating
+    # Over the target, under the limit: a higher threshold would run it.
+    roomy = 51 * mib
+    planned = plan_micro_batches(analyse, 1024, roomy, threshold=0.9, in_use_bytes=in_use)
+    session = SimpleNamespace(controller=SimpleNamespace(limit_bytes=roomy))
+    assert not planned.fits, planned
+    message = str(compiled_step_too_large(session, planned, 1024, in_use, shrinking=True))
+    assert "`threshold=0.91` or more (the step needs 91% of the limit)" in message, message
+
+
 def test_the_planners_examples_run():
     import doctest
 

@@ -11,6 +11,7 @@ every backend; each takes the guard's `GuardSession` (`session.py`).
 """
 
 import logging
+import math
 import os
 
 from keras_memguard import decider
@@ -21,6 +22,11 @@ from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.sinks import tensorboard as tb
 
 logger = logging.getLogger("keras_memguard")
+
+# A refusal suggests a higher `threshold` only where the step would leave
+# at least this much of the limit free: at the very top, where the step's
+# buffers land decides whether it runs.
+MAX_SUGGESTED_THRESHOLD = 0.98
 
 
 def explain(session, error, batch_size, micro_batches):
@@ -149,13 +155,20 @@ def compiled_step_error(session, explanation, weights_path, call="fit"):
     return CompiledStepOutOfMemoryError(message, weights_path=weights_path)
 
 
-def compiled_step_too_large(session, planned, batch_size, in_use_bytes, no_free_block=False):
+def compiled_step_too_large(
+    session, planned, batch_size, in_use_bytes, no_free_block=False, shrinking=False
+):
     """The error for an XLA step no count fits, raised before it runs.
 
     Where the last count fits in total, what stopped it is that its
     buffers found no place in the free memory (`no_free_block`: a probe
     of them failed): said with the largest buffer's size, since a step
-    under the target would otherwise read as one that fits.
+    under the target would otherwise read as one that fits. The hint
+    offers only what could change the answer: a smaller batch and
+    `mode="shrink"` while the step accumulates (without accumulators a
+    smaller batch needs less; `shrinking`: the step already updates per
+    micro-batch, down to one sample), and a higher `threshold` where the
+    step fits under the limit but not under the target.
     """
     limit = session.controller.limit_bytes
     memory = planned.memory
@@ -168,12 +181,23 @@ def compiled_step_too_large(session, planned, batch_size, in_use_bytes, no_free_
             "piece) found no place in the free memory, which is in smaller pieces "
             "or is a block the allocator would hand whole to that buffer"
         )
+    hints = [] if shrinking else ["a smaller batch", '`mode="shrink"` (no accumulators)']
+    fits_the_limit = peak is not None and limit and peak <= MAX_SUGGESTED_THRESHOLD * limit
+    if fits_the_limit and not no_free_block:
+        share = math.ceil(100 * peak / limit) / 100
+        hints.append(
+            f"`threshold={share:.2f}` or more (the step needs {peak / limit:.0%} of the limit)"
+        )
+    hints += [
+        "less memory held beside the step (weights, optimizer state, input)",
+        "mixed precision",
+        "`jit_compile=False`",
+    ]
     message = (
         f"No micro-batch count fits a batch of {batch_size} in the XLA-compiled "
         f"train step: {planned.reason}, counting the "
         f"{messages.mib_text(in_use_bytes)} in use{no_block}. The step was not "
         "run (an out-of-memory error inside an XLA program can abort the "
-        "process). HINT: a smaller batch, `mode=\"shrink\"`, mixed precision, "
-        "or `jit_compile=False`."
+        f"process). HINT: {', '.join(hints[:-1])} or {hints[-1]}."
     )
     return MicroBatchTooLargeError(message, peak_bytes=peak, limit_bytes=limit)

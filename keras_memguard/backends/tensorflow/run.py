@@ -370,7 +370,8 @@ class TfTrainingRun:
                 )
             ):
                 raise oom_report.compiled_step_too_large(
-                    session, planned, batch_size, before, failed is not None
+                    session, planned, batch_size, before, failed is not None,
+                    shrinking=self.function.mode == "shrink",
                 )
             lowest, failed = start, None
 
