@@ -183,6 +183,27 @@ def test_a_refusal_says_nothing_is_left_where_the_accumulators_pass_the_limit():
     assert "accumulators" not in too_large(16, 16, None, 180 * mib, accumulation=(105 * mib, 0))
 
 
+def test_a_refusal_without_accumulators_says_what_was_held_beside_the_step():
+    # A two-headed MLP under 49 MiB with mode="auto" (bench/RESULTS.md):
+    # without accumulators, one sample a micro-batch ran out of memory
+    # beside 37.4 MiB of weights, Adam's slots and batches of 1024, where
+    # plain `fit` at batch 12 trains; the text said only that one sample
+    # does not fit, and offered no smaller batch.
+    from keras_memguard.callbacks.messages import too_large
+
+    mib = 2**20
+    message = too_large(1024, 1024, 45 * mib, 49 * mib, accumulation=(int(37.4 * mib), 0))
+    assert (
+        "37.4 MiB was in use before the batch (weights, optimizer state and the "
+        "input's batches of 1024 samples), which left 11.6 MiB for the step." in message
+    ), message
+    assert "HINT: pass a smaller `batch_size` to `fit`" in message, message
+    assert "accumulators" not in message, message
+    # More in use than the limit: nothing left, still no accumulators named.
+    message = too_large(8, 8, None, 40 * mib, accumulation=(41 * mib, 0))
+    assert "which left nothing for the step" in message and "Accumulating" not in message
+
+
 @pytest.mark.parametrize("jit", ["off", "xla"])
 def test_auto_mode_stops_accumulating_where_the_accumulators_do_not_fit(jit):
     # The two-layer MLP under 150 MiB: "auto" goes on without the

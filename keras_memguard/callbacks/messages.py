@@ -247,7 +247,7 @@ def too_large(
     accumulated = ""
     if accumulation is not None and limit:
         in_use, accumulators = accumulation
-        if not accumulation_fits(in_use, accumulators, limit):
+        if accumulators and not accumulation_fits(in_use, accumulators, limit):
             return (
                 f"Accumulating gradients does not fit in device memory: "
                 f"{_mib(in_use)} was in use before the batch (weights, optimizer "
@@ -270,6 +270,20 @@ def too_large(
                 "without them, `MemoryGuard(mode=\"shrink\")` may fit (one update "
                 "per micro-batch)."
             )
+    held = smaller_batch = ""
+    if accumulation is not None and limit and accumulation[0] and not accumulation[1]:
+        # Updating per micro-batch: beside the step are the weights, the
+        # optimizer's state and the input's whole batches, which only a
+        # smaller `batch_size` shrinks.
+        held = (
+            f" {_mib(accumulation[0])} was in use before the batch (weights, optimizer "
+            f"state and the input's batches of {_samples(batch_size)}), which left "
+            f"{_room_text(limit - accumulation[0])} for the step."
+        )
+        smaller_batch = (
+            "pass a smaller `batch_size` to `fit` (the input holds whole batches "
+            "beside the step), "
+        )
     counted = micro_batches_text(micro_batches)
     tried = f" Tried: {counted} of one sample"
     if rungs_tried:
@@ -289,7 +303,8 @@ def too_large(
         f"A micro-batch of a single sample does not fit in device memory: the "
         f"batch of {_samples(batch_size)} ran out of "
         f"memory even at {counted}. Measured peak before the failure: "
-        f"{_mib(peak)}; memory limit: {_mib(limit)}.{tried}{accumulated} HINT: use mixed precision "
+        f"{_mib(peak)}; memory limit: {_mib(limit)}.{held}{tried}{accumulated} HINT: "
+        f"{smaller_batch}use mixed precision "
         "(keras.mixed_precision.set_global_policy('mixed_float16')), a smaller "
         "model or input size, or a device with more memory (a larger memory "
         "limit)."

@@ -559,9 +559,8 @@ class TfTrainingRun:
                 micro_batches,
                 remat_refusal=remat.can_remat(self.model),
                 accumulation=(
-                    (self._before, gradient_bytes(self.model))
-                    if function.mode == "accumulate"
-                    else None
+                    self._before,
+                    gradient_bytes(self.model) if function.mode == "accumulate" else 0,
                 ),
             ) from error
         new_k = decided.micro_batches
