@@ -244,7 +244,7 @@ def too_large(
     without accumulators holds every gradient until its update, so where
     activations, not the accumulators, take the room, it need not fit.
     """
-    accumulated = ""
+    accumulated = held = smaller_batch = ""
     if accumulation is not None and limit:
         in_use, accumulators = accumulation
         if accumulators and not accumulation_fits(in_use, accumulators, limit):
@@ -270,20 +270,19 @@ def too_large(
                 "without them, `MemoryGuard(mode=\"shrink\")` may fit (one update "
                 "per micro-batch)."
             )
-    held = smaller_batch = ""
-    if accumulation is not None and limit and accumulation[0] and not accumulation[1]:
-        # Updating per micro-batch: beside the step are the weights, the
-        # optimizer's state and the input's whole batches, which only a
-        # smaller `batch_size` shrinks.
-        held = (
-            f" {_mib(accumulation[0])} was in use before the batch (weights, optimizer "
-            f"state and the input's batches of {_samples(batch_size)}), which left "
-            f"{_room_text(limit - accumulation[0])} for the step."
-        )
-        smaller_batch = (
-            "pass a smaller `batch_size` to `fit` (the input holds whole batches "
-            "beside the step), "
-        )
+        elif in_use:
+            # Updating per micro-batch: beside the step are the weights, the
+            # optimizer's state and the input's whole batches, which only a
+            # smaller `batch_size` shrinks.
+            held = (
+                f" {_mib(in_use)} was in use before the batch (weights, optimizer "
+                f"state and the input's batches of {_samples(batch_size)}), which left "
+                f"{_room_text(limit - in_use)} for the step."
+            )
+            smaller_batch = (
+                "pass a smaller `batch_size` to `fit` (the input holds whole batches "
+                "beside the step), "
+            )
     counted = micro_batches_text(micro_batches)
     tried = f" Tried: {counted} of one sample"
     if rungs_tried:

@@ -182,8 +182,8 @@ def compiled_step_too_large(
             "or is a block the allocator would hand whole to that buffer"
         )
     hints = [] if shrinking else ["a smaller batch", '`mode="shrink"` (no accumulators)']
-    fits_the_limit = peak is not None and limit and peak <= MAX_SUGGESTED_THRESHOLD * limit
-    if fits_the_limit and not no_free_block:
+    leaves_room = peak is not None and limit and peak <= MAX_SUGGESTED_THRESHOLD * limit
+    if leaves_room and not no_free_block:
         share = math.ceil(100 * peak / limit) / 100
         hints.append(
             f"`threshold={share:.2f}` or more (the step needs {peak / limit:.0%} of the limit)"
