@@ -272,6 +272,55 @@ def test_accumulate_matches_full_batch_under_mixed_precision():
     )
 
 
+OPTIMIZER_OPTIONS = {
+    # Clipping acts on the whole batch's gradient, as in plain training;
+    # clipped per micro-batch and summed, it would not.
+    "global_clipnorm": lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.05),
+    "clipnorm": lambda: keras.optimizers.SGD(0.5, clipnorm=0.02),
+    "clipvalue": lambda: keras.optimizers.SGD(0.5, clipvalue=0.005),
+    "weight_decay": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.5),
+    "ema": lambda: keras.optimizers.Adam(
+        1e-2, use_ema=True, ema_overwrite_frequency=3
+    ),
+    "schedule": lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.CosineDecay(5e-2, decay_steps=STEPS)
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "option",
+    # Global clipping in the fast loop; every option in the whole suite.
+    [
+        "global_clipnorm",
+        *(
+            pytest.param(name, marks=pytest.mark.slow)
+            for name in OPTIMIZER_OPTIONS
+            if name != "global_clipnorm"
+        ),
+    ],
+)
+def test_accumulate_matches_full_batch_with_optimizer_options(option):
+    # One update per batch from the whole batch's gradient: the optimizer's
+    # clipping, weight decay, moving average and schedule see what plain
+    # training gives them, once per batch.
+    make_optimizer = OPTIMIZER_OPTIONS[option]
+    reference = fit(build_mlp(optimizer=make_optimizer()), sample_weight=SAMPLE_WEIGHT)
+    model = build_mlp(GuardedSequential, make_optimizer())
+    result = fit(model, 4, sample_weight=SAMPLE_WEIGHT)
+    assert_same_training(result, reference)
+    assert int(model.optimizer.iterations) == STEPS
+    if option.startswith("clip"):
+        # The clipping is active here: without it training differs.
+        unclipped = fit(
+            build_mlp(optimizer=keras.optimizers.SGD(0.5)),
+            sample_weight=SAMPLE_WEIGHT,
+        )
+        assert max(
+            np.max(np.abs(a - b)) for a, b in zip(reference[0], unclipped[0])
+        ) > 100 * ATOL
+
+
 @pytest.mark.slow
 def test_shrink_makes_one_update_per_micro_batch():
     model = build_mlp(GuardedSequential)
