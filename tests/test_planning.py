@@ -487,3 +487,23 @@ def test_a_step_compiled_with_xla_is_another_setup_to_the_plan_cache():
     assert {k: v for k, v in with_xla.items() if k != "jit_compile"} == {
         k: v for k, v in without.items() if k != "jit_compile"
     }
+
+
+def test_a_frozen_base_is_another_setup_to_the_plan_cache():
+    # A base model frozen for a first `fit` and trainable for the next: the
+    # second step holds the base's gradients, which the first never did.
+    from keras_memguard.backends.tensorflow.setup import describe_setup
+
+    data = (tf.zeros([8, 4]), tf.zeros([8, 1]))
+    base = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8)])
+    model = keras.Sequential([base, keras.layers.Dense(1)])
+
+    def fields(trainable):
+        base.trainable = trainable
+        model.compile(optimizer="adam", loss="mse")
+        return describe_setup(model, data, ["CPU:0"], [2**30], "accumulate")
+
+    frozen, trained = fields(False), fields(True)
+    assert frozen["trainable"] == [False, False, True, True]
+    assert trained["trainable"] == [True] * 4
+    assert plan_cache.setup_key(frozen) != plan_cache.setup_key(trained)

@@ -48,6 +48,19 @@ def test_a_decoder_language_model_trains_where_its_replay_crashed():
     assert result["oom_recoveries"] == 0, result
 
 
+def test_a_fine_tunings_second_fit_is_planned_for_the_base_it_now_trains():
+    # 126 MiB is 0.55x plain training's peak with the base trainable. The
+    # first `fit`'s step (the base frozen) needs half of it; planned from
+    # its readings, the second ran whole batches and ran out of memory
+    # twice. Planned anew, neither `fit` runs out of memory.
+    result = _run(126, "fine_tune")
+    assert result["batches"] == 8, result
+    assert [fit["oom_recoveries"] for fit in result["fits"]] == [0, 0], result
+    assert all(math.isfinite(v) for fit in result["fits"] for v in fit["loss"]), result
+    # The second `fit` splits its batches where the first did not need to.
+    assert max(result["ks"][4:]) > 1, result
+
+
 def test_kept_outputs_of_a_decoder_do_not_crash_a_new_count():
     # A metric of its own keeps the whole batch's logits (31 MiB here). The
     # buffer they went into was a constant TensorFlow folded when the step

@@ -219,6 +219,7 @@ class MemoryGuard(keras.callbacks.Callback):
         session.resolve_limits()
         session.collect_garbage_once()
         session.load_state()
+        session.begin_fit(self.model)
         self._run = backend.training_run(session, self.params, MICRO_BATCHES_LOG_KEY)
         self._run.begin()
         session.reset_peaks()

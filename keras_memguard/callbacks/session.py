@@ -120,6 +120,8 @@ class GuardSession:
         self.last_oom_explanation = None
         self._started = False
         self._restored = False
+        # The trained step's signature at the last `fit` (`begin_fit`).
+        self._trained_step = None
         self._collected = False
         self._dumps = None
         # `evaluate` / `predict`: one controller per kind, kept between calls.
@@ -237,6 +239,29 @@ class GuardSession:
         self.controller.start(limit_bytes, fixed_bytes, sample_bytes, state)
         self._started = True
 
+    def begin_fit(self, model):
+        """Starts the memory model over where the step changed since the last `fit`.
+
+        What the decider learned describes the step of the `fit` it came
+        from. A fine-tuning's second `fit`, after a base model frozen for the
+        first is made trainable and the model compiled again, runs a step
+        that holds gradients and optimizer updates for the base too; planned
+        from the first `fit`'s readings it runs out of memory. So where the
+        trainable weights, the optimizer's class or `jit_compile` changed,
+        the readings are dropped and the next batch plans as the first of a
+        run does (from the plan cache entry of the new set-up, where there
+        is one); what was learned stays in the cache under the old set-up.
+        The micro-batch count in force and the error counts are kept.
+        """
+        signature = _trained_step(model)
+        changed = self._trained_step is not None and signature != self._trained_step
+        self._trained_step = signature
+        if changed and self._started and self.options.plan and not self._restored:
+            self.save_plan()
+            self.controller.plan_key = None
+            self.controller.restart_model()
+            self._started = False
+
     def stop_planning(self):
         """Reacts to each batch's peak from now on instead of planning it.
 
@@ -321,3 +346,12 @@ class GuardSession:
         if self._dumps is not None:
             self._dumps.close()
             self._dumps = None
+
+
+def _trained_step(model):
+    """What sets a model's training step apart: its trainable weights, optimizer and XLA."""
+    return (
+        tuple((tuple(v.shape), str(v.dtype)) for v in model.trainable_variables),
+        type(getattr(model, "optimizer", None)).__name__,
+        bool(getattr(model, "jit_compile", False)),
+    )

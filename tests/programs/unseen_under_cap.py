@@ -17,6 +17,12 @@ buffer over half the free memory: the allocator hands it the whole free
 block, and the step's peak reads that block's remainder beyond its
 program on every batch, as plain `fit`'s does.
 
+`fine_tune`: keras.io's transfer-learning recipe on a small Transformer
+text classifier: its base model frozen for a first `fit`, then trainable,
+the model compiled again with a lower learning rate and fitted again, the
+same `MemoryGuard` passed to both. The second `fit`'s step holds the base's
+gradients and Adam's updates for it, which the first never measured.
+
 `xla_evaluate`: an XLA-compiled MLP's `evaluate(batch_size=8192)` (a
 hidden layer of 4096 units: 128 MiB of activations) under a guard that
 does not plan (`plan=False`), so the cap is hit inside the XLA program: it must end with `CompiledStepOutOfMemoryError`, not a replay
@@ -145,10 +151,49 @@ def evaluate_beyond_the_cap():
     os._exit(0)
 
 
+def fine_tune():
+    """The two fits of the `fine_tune` recipe in the module docstring."""
+    keras.utils.set_random_seed(0)
+    vocabulary, tokens, width = 3000, 96, 128
+    ids = keras.Input((tokens,), dtype="int32")
+    h = keras.layers.Embedding(vocabulary, width)(ids)
+    h = keras.layers.LayerNormalization()(
+        h + keras.layers.MultiHeadAttention(4, width // 4)(h, h)
+    )
+    wide = keras.layers.Dense(4 * width, activation="gelu")(h)
+    h = keras.layers.LayerNormalization()(h + keras.layers.Dense(width)(wide))
+    base = keras.Model(ids, h)
+    pooled = keras.layers.GlobalAveragePooling1D()(base(ids))
+    outputs = keras.layers.Dense(4)(keras.layers.Dense(256, activation="relu")(pooled))
+    model = keras.Model(ids, outputs)
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, vocabulary, size=(512, tokens))
+    y = rng.integers(0, 4, size=(512,))
+    guard = keras_memguard.MemoryGuard(plan_cache=False)
+    ks = MicroBatchCounts()
+    fits = []
+    for trainable, learning_rate in ((False, 1e-3), (True, 1e-5)):
+        base.trainable = trainable
+        model.compile(
+            keras.optimizers.Adam(learning_rate),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=False,
+        )
+        before = guard.oom_recoveries
+        history = model.fit(x, y, batch_size=128, verbose=0, callbacks=[guard, ks])
+        fits.append({
+            "oom_recoveries": guard.oom_recoveries - before,
+            "loss": history.history["loss"],
+        })
+    emit_result({"fits": fits, "ks": ks.ks, "batches": len(ks.ks)})
+
+
 def main():
     name, options = sys.argv[1], sys.argv[2:]
     if name == "xla_evaluate":
         evaluate_beyond_the_cap()
+    if name == "fine_tune":
+        return fine_tune()
     messages = collect_package_messages()
     if name == "decoder":
         model, x, y, batch = decoder([SampleCount()] if "metric" in options else None)

@@ -13,7 +13,9 @@ from keras_memguard.backends import compat
 def describe_setup(model, data, devices, limits, mode):
     """What identifies a training set-up to the plan cache.
 
-    The model's class, its layers' classes, its weights' shapes and dtypes, the optimizer's class, the input
+    The model's class, its layers' classes, its weights' shapes and dtypes
+    and which of them train (a frozen base model's step holds no gradients
+    for it), the optimizer's class, the input
     signature (each input's dtype, rank and last dimension: the dimensions
     that vary between batches, such as the batch and a sequence length, are
     left out), whether the step is compiled with XLA (its memory differs),
@@ -47,6 +49,7 @@ def describe_setup(model, data, devices, limits, mode):
         # new instance (`dense_3`), the same set-up built twice must match.
         "layers": [type(layer).__name__ for layer in compat.all_layers(model)],
         "weights": [[list(w.shape), str(w.dtype)] for w in model.weights],
+        "trainable": [bool(w.trainable) for w in model.weights],
         "optimizer": None if optimizer is None else type(optimizer).__name__,
         "inputs": signature,
         "jit_compile": bool(getattr(model, "jit_compile", False)),

@@ -112,6 +112,7 @@ def describe_setup(model, data, devices, limits, mode):
         "model": type(model).__name__,
         "layers": [type(layer).__name__ for layer in model.layers],
         "weights": [[list(v.shape), str(v.dtype)] for v in model.weights],
+        "trainable": [bool(v.trainable) for v in model.weights],
         "optimizer": type(getattr(model, "optimizer", None)).__name__,
         "inputs": signature,
         "jit_compile": bool(getattr(model, "jit_compile", False)),
