@@ -61,6 +61,23 @@ def test_a_fine_tunings_second_fit_is_planned_for_the_base_it_now_trains():
     assert max(result["ks"][4:]) > 1, result
 
 
+def test_validation_and_predict_batches_on_xla_are_sliced_before_they_run():
+    # 58 MiB is 0.55x plain XLA training's peak at batch 64 (106 MiB).
+    # Validation and `predict` at 512 do not fit whole; their steps are
+    # compiled with XLA too, where an error ended `fit` (plain Keras: the
+    # process). Planned from their compiled programs, nothing runs out of
+    # memory.
+    result = _run(58, "xla_validation", as_gpu=True)
+    assert result["jit_compile"] is True, result
+    assert result["error"] is None, result
+    assert result["eval_oom_recoveries"] == 0, result
+    assert result["predict_oom_recoveries"] == 0, result
+    assert math.isfinite(result["val_loss"][0]), result
+    assert result["predicted"] == [512, 4], result
+    planned = [m for m in result["messages"] if "slices for a batch of 512 of fit's validation" in m]
+    assert planned and "(XLA): compiled step needs" in planned[0], result["messages"]
+
+
 def test_kept_outputs_of_a_decoder_do_not_crash_a_new_count():
     # A metric of its own keeps the whole batch's logits (31 MiB here). The
     # buffer they went into was a constant TensorFlow folded when the step

@@ -260,3 +260,32 @@ def test_the_planners_examples_run():
     from keras_memguard import compiled_plan
 
     assert doctest.testmod(compiled_plan).failed == 0
+
+
+def test_the_slices_of_an_xla_test_step_are_planned_from_its_compiled_program():
+    from keras_memguard.backends.tensorflow.compiled_slices import CompiledSlicePlanner
+    from keras_memguard.backends.tensorflow.eval_replay import test_step_function
+    from keras_memguard.backends.tensorflow.slice_replay import slice_batch
+
+    model = _mlp(jit_compile=True)
+    step = test_step_function(model)
+    data = _batch(4096)
+    whole = step.memory(data)
+    assert whole is not None and whole.demand_bytes > 0
+    # A limit where the whole batch's step needs about three times the target.
+    limit = whole.demand_bytes / 0.9 / 3
+    planner = CompiledSlicePlanner(limit, 0.9, lambda: 0.0, "evaluate")
+    count = planner(step, data, 4096, 1)
+    assert 3 <= count < 64
+    size = -(-4096 // count)
+    assert step.memory(slice_batch(data, 0, size)).demand_bytes < 0.9 * limit
+    # One fewer slice would not fit.
+    larger = -(-4096 // (count - 1))
+    assert step.memory(slice_batch(data, 0, larger)).demand_bytes >= 0.9 * limit
+    # The plan holds for the next batch of that shape, and never goes under
+    # the count the caller asks for.
+    assert planner(step, data, 4096, 1) == count
+    assert planner(step, data, 4096, 2 * count) == 2 * count
+    # A step without XLA has no program to read: the caller's count stands.
+    plain = test_step_function(_mlp(jit_compile=False))
+    assert CompiledSlicePlanner(limit, 0.9, lambda: 0.0, "evaluate")(plain, data, 4096, 2) == 2

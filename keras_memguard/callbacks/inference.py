@@ -42,11 +42,15 @@ class InferenceRun:
             `stop_compiled(explanation, error)` at an out-of-memory error,
             it raises instead of a replay (after such an error TensorFlow
             can abort the process). `None` otherwise. Defaults to `None`.
+        plan_compiled: For such a model: the slicing function's
+            `plan_compiled` hook, which plans each batch's slices from the
+            compiled step's buffers. `None` otherwise. Defaults to `None`.
     """
 
     def __init__(
         self, kind, model, controller, reader, consumer, limits, explain, report,
         stop_compiled=None,
+        plan_compiled=None,
     ):
         self.kind = kind
         self.model = model
@@ -57,6 +61,7 @@ class InferenceRun:
         self.explain = explain
         self.report = report
         self.stop_compiled = stop_compiled
+        self.plan_compiled = plan_compiled
         self.function = None
         self._before = None
         self._replayed = False
@@ -81,6 +86,7 @@ class InferenceRun:
             micro_batches=self.controller.state.micro_batches,
             on_out_of_memory=self._on_out_of_memory,
             plan=self._plan,
+            plan_compiled=self.plan_compiled,
         )
         self.function.install()
         self.reader.reset()

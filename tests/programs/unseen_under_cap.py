@@ -23,6 +23,12 @@ the model compiled again with a lower learning rate and fitted again, the
 same `MemoryGuard` passed to both. The second `fit`'s step holds the base's
 gradients and Adam's updates for it, which the first never measured.
 
+`xla_validation`: the same classifier compiled as Keras compiles it on a
+GPU (`jit_compile="auto"`, XLA), `fit(batch_size=64)` with validation
+batches of 512 (`validation_batch_size`), then `predict(batch_size=512)`,
+under one `MemoryGuard`: a validation or prediction batch whose compiled
+program does not fit must be cut in slices before it runs.
+
 `xla_evaluate`: an XLA-compiled MLP's `evaluate(batch_size=8192)` (a
 hidden layer of 4096 units: 128 MiB of activations) under a guard that
 does not plan (`plan=False`), so the cap is hit inside the XLA program: it must end with `CompiledStepOutOfMemoryError`, not a replay
@@ -151,8 +157,8 @@ def evaluate_beyond_the_cap():
     os._exit(0)
 
 
-def fine_tune():
-    """The two fits of the `fine_tune` recipe in the module docstring."""
+def text_classifier():
+    """A small Transformer text classifier: `(model, base, x, y)`, not compiled."""
     keras.utils.set_random_seed(0)
     vocabulary, tokens, width = 3000, 96, 128
     ids = keras.Input((tokens,), dtype="int32")
@@ -169,6 +175,12 @@ def fine_tune():
     rng = np.random.default_rng(0)
     x = rng.integers(1, vocabulary, size=(512, tokens))
     y = rng.integers(0, 4, size=(512,))
+    return model, base, x, y
+
+
+def fine_tune():
+    """The two fits of the `fine_tune` recipe in the module docstring."""
+    model, base, x, y = text_classifier()
     guard = keras_memguard.MemoryGuard(plan_cache=False)
     ks = MicroBatchCounts()
     fits = []
@@ -188,12 +200,44 @@ def fine_tune():
     emit_result({"fits": fits, "ks": ks.ks, "batches": len(ks.ks)})
 
 
+def xla_validation():
+    """`xla_validation` of the module docstring: validation and `predict` at 512."""
+    messages = collect_package_messages()
+    model, _, x, y = text_classifier()
+    model.compile(
+        "adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    guard = keras_memguard.MemoryGuard(plan_cache=False)
+    result = {"error": None}
+    try:
+        history = model.fit(
+            x[:256], y[:256], batch_size=64, verbose=0, callbacks=[guard],
+            validation_data=(x, y), validation_batch_size=512,
+        )
+        result["val_loss"] = history.history["val_loss"]
+        result["predicted"] = list(
+            model.predict(x, batch_size=512, verbose=0, callbacks=[guard]).shape
+        )
+    except Exception as raised:  # noqa: BLE001 - reported to the test.
+        result["error"] = f"{type(raised).__name__}: {raised}"
+    result.update(
+        jit_compile=bool(model.jit_compile),
+        eval_oom_recoveries=guard.eval_oom_recoveries,
+        predict_oom_recoveries=guard.predict_oom_recoveries,
+        messages=list(messages),
+    )
+    emit_result(result)
+
+
 def main():
     name, options = sys.argv[1], sys.argv[2:]
     if name == "xla_evaluate":
         evaluate_beyond_the_cap()
     if name == "fine_tune":
         return fine_tune()
+    if name == "xla_validation":
+        return xla_validation()
     messages = collect_package_messages()
     if name == "decoder":
         model, x, y, batch = decoder([SampleCount()] if "metric" in options else None)

@@ -87,6 +87,10 @@ class ReplayTestFunction(SlicedStepFunction):
             (`sample_size`: elements of one sample's inputs); returns the
             number of slices to evaluate it in. `None` keeps the count in
             force. Defaults to `None`.
+        plan_compiled: For a step XLA compiles: called as
+            `plan_compiled(step, data, batch_size, micro_batches)` after
+            `plan`; returns the count the compiled program fits at (see
+            `SlicedStepFunction`). Defaults to `None`.
 
     Raises:
         ValueError: If `micro_batches` is not an integer >= 1.
@@ -111,8 +115,10 @@ class ReplayTestFunction(SlicedStepFunction):
         "Keras' own test function (do not install this one)."
     )
 
-    def __init__(self, model, micro_batches=1, on_out_of_memory=None, plan=None):
-        super().__init__(model, micro_batches, on_out_of_memory, plan)
+    def __init__(
+        self, model, micro_batches=1, on_out_of_memory=None, plan=None, plan_compiled=None
+    ):
+        super().__init__(model, micro_batches, on_out_of_memory, plan, plan_compiled)
         # (variable, value) of every metric variable after the last slice
         # that completed; `None` until the first batch of an evaluation.
         self._saved = None

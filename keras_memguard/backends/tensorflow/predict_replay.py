@@ -60,6 +60,10 @@ class ReplayPredictFunction(SlicedStepFunction):
         plan: Called as `plan(batch_size, sample_size)` before each batch;
             returns the number of slices to predict it in. `None` keeps the
             count in force. Defaults to `None`.
+        plan_compiled: For a step XLA compiles: called as
+            `plan_compiled(step, data, batch_size, micro_batches)` after
+            `plan`; returns the count the compiled program fits at (see
+            `SlicedStepFunction`). Defaults to `None`.
 
     Raises:
         ValueError: If `micro_batches` is not an integer >= 1.

@@ -32,6 +32,7 @@ from keras_memguard.backends import compat
 from keras_memguard.backends.tensorflow import multi_worker
 from keras_memguard.backends.tensorflow import remat
 from keras_memguard.backends.tensorflow import xla_memory
+from keras_memguard.backends.tensorflow.compiled_slices import CompiledSlicePlanner
 from keras_memguard.backends.tensorflow.eval_replay import ReplayTestFunction
 from keras_memguard.backends.tensorflow.mixin import MemGuardMixin
 from keras_memguard.backends.tensorflow.predict_replay import ReplayPredictFunction
@@ -174,6 +175,10 @@ class TfTrainingRun:
             self.model,
             micro_batches=self.session.eval_micro_batches,
             on_out_of_memory=self.on_eval_out_of_memory,
+            # On XLA the slices are planned: an error there is not replayed.
+            plan_compiled=(
+                _compiled_slice_planner(self.session, "fit's validation") if self.xla else None
+            ),
         )
         self._eval_function.install()
 
@@ -722,9 +727,23 @@ def inference_run(session, kind):
             if xla_memory.uses_xla(model)
             else None
         ),
+        plan_compiled=(
+            _compiled_slice_planner(session, kind) if xla_memory.uses_xla(model) else None
+        ),
     )
     run.start()
     return run
+
+
+def _compiled_slice_planner(session, kind):
+    """Plans the slices of an XLA test or predict step against the smallest limit."""
+
+    def in_use():
+        # Read aside: the tries' blocks reach no reader's peak.
+        values = [s.current_bytes for s in session.read_aside() if s.current_bytes is not None]
+        return float(max(values)) if values else None
+
+    return CompiledSlicePlanner(session.smallest_limit, session.config.threshold, in_use, kind)
 
 
 def _stop_compiled_inference(session, kind, explanation, error):

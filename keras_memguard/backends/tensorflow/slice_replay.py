@@ -14,6 +14,7 @@ from keras import tree
 
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.backends import compat
+from keras_memguard.backends.tensorflow import xla_memory
 from keras_memguard.backends.tensorflow.replay import batch_size_of
 from keras_memguard.backends.tensorflow.replay import sample_size_of
 from keras_memguard.backends.tensorflow.splitting import validate_micro_batches
@@ -38,17 +39,26 @@ class SlicedStepFunction:
     the batch (1: all of it) and returns its result; `_combine(parts)`
     returns the batch's result from its slices'. `_on_failed_slice()`,
     `_on_install()` and `_on_restore()` are optional.
+
+    `plan_compiled`, for a step XLA compiles, is called as
+    `plan_compiled(step, data, batch_size, micro_batches)` before each
+    batch, after `plan`, with the compiled step `_start_batch()` returned
+    (a `CompiledBatchStep`); it returns the count to run the batch in
+    (`compiled_slices.CompiledSlicePlanner`).
     """
 
     _attribute = None
     _set_function = None
     _refusal = None
 
-    def __init__(self, model, micro_batches=1, on_out_of_memory=None, plan=None):
+    def __init__(
+        self, model, micro_batches=1, on_out_of_memory=None, plan=None, plan_compiled=None
+    ):
         self.model = model
         self.micro_batches = validate_micro_batches(micro_batches)
         self.on_out_of_memory = on_out_of_memory
         self.plan = plan
+        self.plan_compiled = plan_compiled
         self.last_batch_size = None
         self.last_sample_size = None
         self.samples_done = 0
@@ -116,6 +126,11 @@ class SlicedStepFunction:
             self.last_sample_size = sample_size_of(data)
             self.micro_batches = validate_micro_batches(
                 self.plan(batch_size, self.last_sample_size)
+            )
+        if self.plan_compiled is not None:
+            # An XLA step: no count whose compiled program does not fit runs.
+            self.micro_batches = validate_micro_batches(
+                self.plan_compiled(step, data, batch_size, self.micro_batches)
             )
         parts = []
         while self.samples_done < batch_size:
@@ -239,6 +254,17 @@ class CompiledBatchStep:
                 self._function.get_concrete_function(relaxed_spec(data))
                 self._traced.add(key)
         return self._function(data)
+
+    def memory(self, data):
+        """What XLA assigns to the step for `data`'s shapes, before it runs.
+
+        Returns:
+            A `StepMemory` (see `xla_memory.step_memory`), or `None` when
+            the step is not compiled by XLA or its program cannot be read.
+        """
+        if self._eager:
+            return None
+        return xla_memory.step_memory(self._function, data, 1)
 
 
 def relaxed_spec(data):
