@@ -30,8 +30,9 @@ under one `MemoryGuard`: a validation or prediction batch whose compiled
 program does not fit must be cut in slices before it runs.
 
 `xla_evaluate`: an XLA-compiled MLP's `evaluate(batch_size=8192)` (a
-hidden layer of 4096 units: 128 MiB of activations) under a guard that
-does not plan (`plan=False`), so the cap is hit inside the XLA program: it must end with `CompiledStepOutOfMemoryError`, not a replay
+hidden layer of 4096 units: 128 MiB of activations) under a guard whose
+slices are not planned (`plan=False`, and the compiled step's plan made to
+miss), so the cap is hit inside the XLA program: it must end with `CompiledStepOutOfMemoryError`, not a replay
 in slices. The process then leaves with `os._exit`, as
 TensorFlow can abort at exit after such an error.
 
@@ -146,6 +147,12 @@ def evaluate_beyond_the_cap():
     rng = np.random.default_rng(0)
     x = rng.random((8192, 1024), dtype="float32")
     y = rng.random((8192, 10), dtype="float32")
+    # A plan that misses (on a GPU, memory another process took between the
+    # plan and the step): the batch runs whole, and the error path is what
+    # is tested. The decider does not plan (`plan=False`).
+    from keras_memguard.backends.tensorflow import compiled_slices
+
+    compiled_slices.CompiledSlicePlanner.__call__ = lambda self, step, data, size, k: k
     guard = keras_memguard.MemoryGuard(plan=False, plan_cache=False)
     try:
         model.evaluate(x, y, batch_size=8192, verbose=0, callbacks=[guard])
