@@ -27,7 +27,8 @@ A backend's `protocol` module provides:
 - `multi_worker_preparer()`: that backend's `prepare_multi_worker`
   (TensorFlow's; elsewhere one that returns the model unchanged).
 - `VALIDATION_IN_FIT`: whether `fit`'s validation is guarded by the
-  training run (`begin_validation` / `end_validation`) rather than as an
+  training run (`begin_validation`, `after_validation_batch`,
+  `end_validation`) rather than as an
   `evaluate` of its own.
 - `PROFILES_SPIKES`: whether `MemoryMonitor(profile_spikes=...)` works,
   and where it does, `spike_profiler(log_dir, spike_fraction,

@@ -258,7 +258,9 @@ class MemoryGuard(keras.callbacks.Callback):
             self._begin_inference(inference.EVALUATE)
 
     def on_test_batch_end(self, batch, logs=None):
-        if self._inference is not None:
+        if self._run is not None and backends.current().VALIDATION_IN_FIT:
+            self._run.after_validation_batch()
+        elif self._inference is not None:
             self._inference.after_batch()
 
     def on_test_end(self, logs=None):

@@ -23,11 +23,11 @@ the model compiled again with a lower learning rate and fitted again, the
 same `MemoryGuard` passed to both. The second `fit`'s step holds the base's
 gradients and Adam's updates for it, which the first never measured.
 
-`xla_validation`: the same classifier compiled as Keras compiles it on a
-GPU (`jit_compile="auto"`, XLA), `fit(batch_size=64)` with validation
-batches of 512 (`validation_batch_size`), then `predict(batch_size=512)`,
-under one `MemoryGuard`: a validation or prediction batch whose compiled
-program does not fit must be cut in slices before it runs.
+`validation [off]`: the same classifier compiled as Keras compiles it on
+a GPU (`jit_compile="auto"`, XLA; with `off`, without), `fit(batch_size=64)`
+with validation batches of 512 (`validation_batch_size`), then
+`predict(batch_size=512)`, under one `MemoryGuard`: a validation or
+prediction batch that does not fit must be cut in slices before it runs.
 
 `xla_evaluate`: an XLA-compiled MLP's `evaluate(batch_size=8192)` (a
 hidden layer of 4096 units: 128 MiB of activations) under a guard whose
@@ -207,13 +207,13 @@ def fine_tune():
     emit_result({"fits": fits, "ks": ks.ks, "batches": len(ks.ks)})
 
 
-def xla_validation():
-    """`xla_validation` of the module docstring: validation and `predict` at 512."""
+def validation(xla):
+    """`validation` of the module docstring: validation and `predict` at 512."""
     messages = collect_package_messages()
     model, _, x, y = text_classifier()
     model.compile(
         "adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
+        metrics=["accuracy"], jit_compile="auto" if xla else False,
     )
     guard = keras_memguard.MemoryGuard(plan_cache=False)
     result = {"error": None}
@@ -243,8 +243,8 @@ def main():
         evaluate_beyond_the_cap()
     if name == "fine_tune":
         return fine_tune()
-    if name == "xla_validation":
-        return xla_validation()
+    if name == "validation":
+        return validation(xla="off" not in options)
     messages = collect_package_messages()
     if name == "decoder":
         model, x, y, batch = decoder([SampleCount()] if "metric" in options else None)

@@ -68,6 +68,11 @@ class TfTrainingRun:
         # Whether the carrier ran this batch's bookkeeping already.
         self._contributed = False
         self._eval_function = None
+        # `fit`'s validation, planned (`begin_validation`): the evaluate
+        # controller, the memory in use before the batch, whether it failed.
+        self._validation = None
+        self._validation_before = None
+        self._validation_failed = False
         self._base_learning_rate = None
         # Memory in use right before the batch that runs now.
         self._before = None
@@ -167,14 +172,26 @@ class TfTrainingRun:
         self._after_batch(batch, logs, (id(logs), batch))
 
     def begin_validation(self):
-        """Slices `fit`'s validation batches that run out of memory."""
+        """Plans `fit`'s validation batches in slices; slices those that run out of memory."""
         # Several replicas: Keras' own test function (slices are cut in Python).
         if not ReplayTestFunction.supports(self.model):
             return
+        session = self.session
+        plan = None
+        if session.options.plan and not self.xla:
+            # As `evaluate` under the guard plans: from its own readings (a
+            # forward pass holds none of training's gradients), kept in the
+            # session's evaluate controller.
+            self._validation = session.inference_controller(inference.EVALUATE)
+            self._validation.start(
+                session.smallest_limit, 0.0, oom_explanation.layer_output_bytes(self.model)
+            )
+            plan = self._plan_validation_batch
         self._eval_function = ReplayTestFunction(
             self.model,
-            micro_batches=self.session.eval_micro_batches,
+            micro_batches=session.eval_micro_batches,
             on_out_of_memory=self.on_eval_out_of_memory,
+            plan=plan,
             # On XLA the slices are planned: an error there is not replayed.
             plan_compiled=(
                 _compiled_slice_planner(self.session, "fit's validation") if self.xla else None
@@ -186,6 +203,40 @@ class TfTrainingRun:
         if self._eval_function is not None:
             self._eval_function.restore()
             self._eval_function = None
+        self._validation = None
+
+    def _plan_validation_batch(self, batch_size, sample_size):
+        """The slices a validation batch runs in: never fewer than an error taught."""
+        # Reading resets the peak: the batch's own peak is read after it.
+        self._validation_before = self._in_use(self.session.read())
+        self._validation_failed = False
+        planned = self._validation.plan(batch_size, sample_size, self._validation_before)
+        return max(planned, self.session.eval_micro_batches)
+
+    def after_validation_batch(self):
+        """Gives the validation planner the batch's peak (none after an error)."""
+        function = self._eval_function
+        if self._validation is None or function is None or self._validation_failed:
+            return
+        samples = self.session.read()
+        limit = self._validation.limit_bytes
+        peaks = [
+            float(sample.peak_bytes)
+            for sample, device_limit in zip(samples, self.session.limits)
+            if device_limit == limit and sample.peak_bytes is not None
+        ]
+        if not peaks or not function.last_batch_size:
+            return
+        self._validation.observe(
+            decider.Reading(
+                function.last_batch_size,
+                function.micro_batches,
+                function.last_sample_size or 1.0,
+                self._validation_before,
+                max(peaks),
+                limit,
+            )
+        )
 
     def micro_batch_size(self, micro_batches):
         """Samples in one micro-batch of one replica, or `None`."""
@@ -598,6 +649,8 @@ class TfTrainingRun:
         `oom_recoveries` stay as they are.
         """
         session = self.session
+        # The failed slice's memory is in this batch's peak: not a reading.
+        self._validation_failed = True
         if self.xla:
             # As for training: no replay after an error in an XLA program.
             self._stop_compiled(
