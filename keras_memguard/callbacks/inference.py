@@ -112,23 +112,11 @@ class InferenceRun:
             # The failed slice's memory is in that peak.
             self._replayed = False
             return
-        limit = self.controller.limit_bytes
-        peak = None
-        for sample, device_limit in zip(samples, self.limits):
-            if device_limit == limit and sample.peak_bytes is not None:
-                peak = max(peak or 0.0, float(sample.peak_bytes))
-        if peak is None or not function.last_batch_size:
-            return
-        self.controller.observe(
-            decider.Reading(
-                function.last_batch_size,
-                function.micro_batches,
-                function.last_sample_size or 1.0,
-                self._before,
-                peak,
-                limit,
-            )
+        reading = sliced_batch_reading(
+            self.controller, function, samples, self.limits, self._before
         )
+        if reading is not None:
+            self.controller.observe(reading)
 
     def _in_use(self, samples):
         limit = self.controller.limit_bytes
@@ -183,3 +171,37 @@ class InferenceRun:
         self.reader.reset()
         return new_k
 
+
+def sliced_batch_reading(controller, function, samples, limits, before):
+    """The decider's `Reading` of a batch a slicing function just ran, or `None`.
+
+    Shared by `evaluate` and `predict` (`InferenceRun`) and by `fit`'s
+    validation on TensorFlow, which plans with the same controller.
+
+    Args:
+        controller: The `GuardController` that planned the batch.
+        function: The slicing function (`last_batch_size`,
+            `micro_batches`, `last_sample_size`).
+        samples: The allocator samples read after the batch.
+        limits: The memory limit of each device, in the samples' order.
+        before: The memory in use before the batch.
+
+    Returns:
+        A `decider.Reading` of the peak on the devices planned against, or
+        `None` where no peak or no batch size is known.
+    """
+    limit = controller.limit_bytes
+    peak = None
+    for sample, device_limit in zip(samples, limits):
+        if device_limit == limit and sample.peak_bytes is not None:
+            peak = max(peak or 0.0, float(sample.peak_bytes))
+    if peak is None or not function.last_batch_size:
+        return None
+    return decider.Reading(
+        function.last_batch_size,
+        function.micro_batches,
+        function.last_sample_size or 1.0,
+        before,
+        peak,
+        limit,
+    )

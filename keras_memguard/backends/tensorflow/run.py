@@ -218,25 +218,12 @@ class TfTrainingRun:
         function = self._eval_function
         if self._validation is None or function is None or self._validation_failed:
             return
-        samples = self.session.read()
-        limit = self._validation.limit_bytes
-        peaks = [
-            float(sample.peak_bytes)
-            for sample, device_limit in zip(samples, self.session.limits)
-            if device_limit == limit and sample.peak_bytes is not None
-        ]
-        if not peaks or not function.last_batch_size:
-            return
-        self._validation.observe(
-            decider.Reading(
-                function.last_batch_size,
-                function.micro_batches,
-                function.last_sample_size or 1.0,
-                self._validation_before,
-                max(peaks),
-                limit,
-            )
+        reading = inference.sliced_batch_reading(
+            self._validation, function, self.session.read(), self.session.limits,
+            self._validation_before,
         )
+        if reading is not None:
+            self._validation.observe(reading)
 
     def micro_batch_size(self, micro_batches):
         """Samples in one micro-batch of one replica, or `None`."""
