@@ -257,10 +257,20 @@ class GuardSession:
         changed = self._trained_step is not None and signature != self._trained_step
         self._trained_step = signature
         if changed and self._started and self.options.plan and not self._restored:
+            self.plan_anew()
+            self._started = False
+
+    def plan_anew(self):
+        """The step changed: what was learned is cached, and the memory model starts over.
+
+        Where the guard plans, the state is kept in the plan cache under the
+        set-up it was learned for, no later figure is cached under it, and
+        the decider's readings are dropped (the count in force is kept).
+        """
+        if self.options.plan:
             self.save_plan()
             self.controller.plan_key = None
             self.controller.restart_model()
-            self._started = False
 
     def stop_planning(self):
         """Reacts to each batch's peak from now on instead of planning it.

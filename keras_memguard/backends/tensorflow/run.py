@@ -696,11 +696,7 @@ class TfTrainingRun:
         plan cache (a next run changes the step again before its first
         batch), and this run's later figures are not cached under it.
         """
-        session = self.session
-        if session.options.plan:
-            session.save_plan()
-            session.controller.plan_key = None
-            session.controller.restart_model()
+        self.session.plan_anew()
 
     # Helpers.
 
