@@ -88,6 +88,7 @@ from keras_memguard.compiled_plan import plan_micro_batches
 from keras_memguard.errors import MemoryLimitUnknownError
 from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.errors import UnsupportedTrainingSetupError
+from keras_memguard.whole_batches import stateful_layers
 
 __all__ = ["BatchSizeResult", "BatchTrial", "find_batch_size"]
 
@@ -247,7 +248,8 @@ def find_batch_size(
         ValueError: If an argument is out of range, or `x` holds no sample.
         MemoryLimitUnknownError: If no memory limit can be resolved.
         MicroBatchTooLargeError: If a step of one sample does not fit.
-        UnsupportedTrainingSetupError: On JAX, if the device gives no
+        UnsupportedTrainingSetupError: If the model has stateful layers,
+            which fix its batch size; on JAX, if the device gives no
             memory analysis of a compiled step.
 
     Example:
@@ -260,6 +262,15 @@ def find_batch_size(
     ```
     """
     _validate(threshold, tolerance, max_batch_size, max_trials, batch_size, verbose)
+    stateful = stateful_layers(model)
+    if stateful:
+        raise UnsupportedTrainingSetupError(
+            f"find_batch_size cannot try other batch sizes on {type(model).__name__}: "
+            f"its stateful layers ({', '.join(repr(n) for n in stateful)}) keep "
+            "one state row per sample of the batch size the model was built "
+            "with (their `batch_shape`). HINT: build the model without "
+            "`stateful=True` to search, or rebuild it at each batch size to try."
+        )
     protocol = backends.current()
     backend = protocol.batch_size_finder()
     source = _TrialInput(x, y, sample_weight, backend)

@@ -234,6 +234,64 @@ def test_own_train_step_without_the_mixin_is_refused_and_the_model_trains_on():
     assert history.history["samples"] == [200.0]
 
 
+def stateful_lstm(seed=0):
+    """An LSTM built with `stateful=True`: its state holds a row per sample of 16."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input(batch_shape=(16, 6, 3))
+    hidden = keras.layers.LSTM(8, stateful=True, name="lstm")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model.compile("adam", "mse")
+    x = np.random.default_rng(0).normal(size=(64, 6, 3)).astype("float32")
+    return model, x, x[:, -1, :1]
+
+
+def test_a_stateful_rnn_trains_evaluates_and_predicts_whole_batches_as_plain_keras(caplog):
+    # A guard that plans splits the first batch it knows nothing about: a
+    # stateful layer then refused the micro-batch (ValueError) where plain
+    # `fit` trains. Its batches now run whole, and the guard says why.
+    plain, x, y = stateful_lstm()
+    plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    want = (plain.evaluate(x, y, batch_size=16, verbose=0), plain.predict(x, batch_size=16, verbose=0))
+    model, _, _ = stateful_lstm()
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan_cache=False)
+    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[guard])
+        got = (
+            model.evaluate(x, y, batch_size=16, verbose=0, callbacks=[guard]),
+            model.predict(x, batch_size=16, verbose=0, callbacks=[guard]),
+        )
+    assert history.history["micro_batches"] == [1.0, 1.0]
+    assert_weights_equal(model, plain.get_weights(), atol=1e-6)
+    assert got[0] == pytest.approx(want[0], rel=1e-6)
+    np.testing.assert_allclose(got[1], want[1], rtol=0, atol=1e-6)
+    told = [r.getMessage() for r in caplog.records if "stateful layers ('lstm')" in r.getMessage()]
+    assert len(told) == 1 and "trains the batches of Functional whole" in told[0], told
+
+
+def test_micro_batches_asked_of_a_stateful_rnn_are_refused_and_the_model_trains_on():
+    model, x, y = stateful_lstm()
+    weights = model.get_weights()
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
+    with pytest.raises(keras_memguard.UnsupportedTrainingSetupError) as info:
+        model.fit(x, y, batch_size=16, verbose=0, callbacks=[guard])
+    message = str(info.value)
+    assert "stateful layers ('lstm')" in message, message
+    assert "Received: micro_batches=4" in message and "HINT" in message, message
+    assert_weights_equal(model, weights, atol=0)
+    history = model.fit(x, y, batch_size=16, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_find_batch_size_refuses_a_batch_size_that_stateful_layers_fix():
+    model, x, y = stateful_lstm()
+    weights = model.get_weights()
+    with pytest.raises(keras_memguard.UnsupportedTrainingSetupError) as info:
+        keras_memguard.find_batch_size(model, x, y, memory_limit=1 << 30, verbose=0)
+    assert "stateful layers ('lstm')" in str(info.value)
+    assert "`batch_shape`" in str(info.value)
+    assert_weights_equal(model, weights, atol=0)
+
+
 @pytest.mark.slow
 def test_no_resolvable_memory_limit_is_refused_and_the_model_trains_on(monkeypatch):
     monkeypatch.delenv("TF_CPU_BFC_MEM_LIMIT_IN_MB")

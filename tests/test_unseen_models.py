@@ -91,6 +91,32 @@ def test_validation_batches_larger_than_training_batches_are_planned_in_slices()
     assert result["predicted"] == [512, 4], result
 
 
+@pytest.mark.parametrize("xla", [True, False], ids=["xla", "no_xla"])
+def test_a_stateful_rnn_trains_whole_batches_under_a_cap(xla):
+    # 60 MiB: the XLA step of a whole batch needs 51.9 MiB beside 3 MiB in
+    # use (over the guard's threshold, under the limit, where plain `fit`
+    # trains). The guard used to split the first batch, which the stateful
+    # layers refused (ValueError); `evaluate` and `predict` were sliced too.
+    result = _run(60, "stateful", *([] if xla else ["off"]), as_gpu=True)
+    assert result["jit_compile"] is xla, result
+    _trained_every_batch(result)
+    assert result["ks"] == [1] * 8 and result["oom_recoveries"] == 0, result
+    assert math.isfinite(result["evaluated"]) and result["predicted"] == [128, 1], result
+    assert any("trains the batches of Functional whole" in m for m in result["messages"])
+
+
+def test_a_stateful_rnns_xla_step_that_cannot_fit_is_refused_before_it_runs():
+    # Plain `fit` runs out of memory inside the XLA program here and the
+    # process aborts. No count can help a stateful model: the guard reads
+    # the compiled step and stops before it runs.
+    result = _run(20, "stateful", as_gpu=True)
+    assert result["jit_compile"] is True, result
+    assert result["batches"] == 0, result
+    assert result["error"].startswith("MicroBatchTooLargeError: The XLA-compiled step"), result
+    assert "stateful layers 'lstm', 'lstm_1'" in result["error"], result
+    assert "Nothing ran" in result["error"], result
+
+
 def test_kept_outputs_of_a_decoder_do_not_crash_a_new_count():
     # A metric of its own keeps the whole batch's logits (31 MiB here). The
     # buffer they went into was a constant TensorFlow folded when the step

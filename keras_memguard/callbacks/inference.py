@@ -18,6 +18,7 @@ from keras_memguard import decider
 from keras_memguard import oom_explanation
 from keras_memguard.callbacks import messages
 from keras_memguard.errors import MicroBatchTooLargeError
+from keras_memguard.whole_batches import stateful_layers
 
 logger = logging.getLogger("keras_memguard")
 
@@ -159,7 +160,10 @@ class InferenceRun:
                     decided.reason, batch_size, peak, limit
                 )
             else:
-                message = messages.cap_reached(micro_batches, batch_size, evaluating=True)
+                message = messages.cap_reached(
+                    micro_batches, batch_size, evaluating=True,
+                    stateful=stateful_layers(self.model),
+                )
             raise MicroBatchTooLargeError(
                 f"{self.kind.capitalize()}: {message}", peak_bytes=peak, limit_bytes=limit
             ) from error

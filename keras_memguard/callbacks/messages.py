@@ -172,8 +172,62 @@ def learning_rate_schedule():
     )
 
 
-def cap_reached(micro_batches, batch_size, evaluating=False):
-    """`MicroBatchTooLargeError`'s text when `max_micro_batches` is reached."""
+def _names(layers):
+    return ", ".join(repr(name) for name in layers)
+
+
+def stateful_whole_batches(class_name, layers):
+    """The warning when a model's batches are trained whole (stateful layers)."""
+    return (
+        f"MemoryGuard trains the batches of {class_name} whole: its stateful "
+        f"layers ({_names(layers)}) keep one state row per sample of the batch, "
+        "so a batch cannot be split into micro-batches or slices. The guard "
+        "watches memory and explains an out-of-memory error."
+    )
+
+
+def stateful_split_refused(class_name, layers, micro_batches):
+    """`UnsupportedTrainingSetupError`'s text for micro-batches asked of stateful layers."""
+    return (
+        f"MemoryGuard cannot split the batches of {class_name} into "
+        f"micro-batches: its stateful layers ({_names(layers)}) keep one "
+        "state row per sample of the batch, whose size the model fixes. "
+        f"Received: micro_batches={micro_batches}. HINT: leave `micro_batches` "
+        "at 1 (the guard then trains whole batches and watches memory), or "
+        "lower the batch size of the layers' `batch_shape`."
+    )
+
+
+def stateful_out_of_memory(batch_size, layers, evaluating=False):
+    """`MicroBatchTooLargeError`'s text when a stateful model's batch does not fit."""
+    batch = "validation batch" if evaluating else "batch"
+    return (
+        f"Out of memory on a {batch} of {_samples(batch_size)}, which MemoryGuard "
+        f"cannot split: the stateful layers {_names(layers)} keep one state row "
+        "per sample of the batch. HINT: lower the batch size of the layers' "
+        "`batch_shape` (and `fit`'s), or use mixed precision or a smaller model."
+    )
+
+
+def stateful_step_too_large(batch_size, layers, needed, in_use, limit):
+    """`MicroBatchTooLargeError`'s text when a stateful model's XLA step cannot fit."""
+    return (
+        f"The XLA-compiled step of a batch of {_samples(batch_size)} needs "
+        f"{_mib(needed)} beside {_mib(in_use)} in use, over the memory limit "
+        f"of {_mib(limit)}, and MemoryGuard cannot split it: the stateful "
+        f"layers {_names(layers)} keep one state row per sample of the batch. "
+        "Nothing ran. HINT: lower the batch size of the layers' `batch_shape` "
+        "(and `fit`'s), or use mixed precision or a smaller model."
+    )
+
+
+def cap_reached(micro_batches, batch_size, evaluating=False, stateful=()):
+    """`MicroBatchTooLargeError`'s text when `max_micro_batches` is reached.
+
+    `stateful`: the names of the layers that cap the count at one, if any.
+    """
+    if stateful:
+        return stateful_out_of_memory(batch_size, stateful, evaluating)
     if evaluating:
         return (
             f"Out of memory evaluating at {micro_batches} micro-batches, "

@@ -100,7 +100,9 @@ def cannot_split_error(
     elif decided.cannot_split == decider.CANNOT_SPLIT_ALLOCATION:
         message = messages.allocation_does_not_shrink(decided.reason, batch_size, peak, limit)
     else:
-        message = messages.cap_reached(micro_batches, batch_size, evaluating)
+        message = messages.cap_reached(
+            micro_batches, batch_size, evaluating, session.stateful_layers
+        )
     return MicroBatchTooLargeError(prefix + message, peak_bytes=peak, limit_bytes=limit)
 
 

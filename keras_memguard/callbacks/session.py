@@ -11,6 +11,7 @@ to every run, and no run reaches into the guard itself.
 """
 
 import gc
+import logging
 from typing import NamedTuple, Optional, Tuple
 
 import keras
@@ -22,7 +23,11 @@ from keras_memguard.callbacks.controller import GuardController
 from keras_memguard.callbacks.sampling import resolve_limits
 from keras_memguard.callbacks.sampling import shared_reader
 from keras_memguard.errors import MemoryLimitUnknownError
+from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.sinks import tensorboard as tb
+from keras_memguard.whole_batches import stateful_layers
+
+logger = logging.getLogger("keras_memguard")
 
 # The scalars written per batch, in `write_scalars`' order; the threshold
 # draws its line in the dashboard's usage chart.
@@ -126,14 +131,41 @@ class GuardSession:
         self._dumps = None
         # `evaluate` / `predict`: one controller per kind, kept between calls.
         self._inference_controllers = {}
+        # The model's stateful layers, whose batches run whole (`attach`).
+        self.stateful_layers = ()
 
     # The model and its limits.
 
     def attach(self, model):
-        """Binds the session to `model` and registers with its shared reader."""
+        """Binds the session to `model` and registers with its shared reader.
+
+        A model with stateful layers (`whole_batches`) has its batches
+        trained, evaluated and predicted whole: the count is capped at one,
+        and a count asked for above it is refused here, before `fit` runs.
+
+        Raises:
+            UnsupportedTrainingSetupError: If `micro_batches` above one was
+                asked for a model with stateful layers.
+        """
         self.model = model
         self.reader = shared_reader(model)
         self.reader.register(self, self.options.memory_limit)
+        self.stateful_layers = stateful_layers(model)
+        if self.stateful_layers and self.config.max_micro_batches != 1:
+            if self.options.micro_batches > 1:
+                raise UnsupportedTrainingSetupError(
+                    messages.stateful_split_refused(
+                        type(model).__name__, self.stateful_layers, self.options.micro_batches
+                    )
+                )
+            logger.warning(
+                "%s", messages.stateful_whole_batches(type(model).__name__, self.stateful_layers)
+            )
+            self.config = self.config._replace(max_micro_batches=1)
+            self.controller.config = self.config
+            self.controller.set_micro_batches(1)
+            for controller in self._inference_controllers.values():
+                controller.config = self.config
 
     def collect_garbage_once(self):
         """Collects Python's garbage before the first batch this guard measures.

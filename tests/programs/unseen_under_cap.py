@@ -36,6 +36,13 @@ miss), so the cap is hit inside the XLA program: it must end with `CompiledStepO
 in slices. The process then leaves with `os._exit`, as
 TensorFlow can abort at exit after such an error.
 
+`stateful [off]`: two stacked LSTMs built with `stateful=True` (their
+state one row per sample of a batch of 32), compiled as Keras compiles
+them on a GPU (`jit_compile="auto"`, XLA; with `off`, without),
+`fit(batch_size=32, shuffle=False)` under `MemoryGuard`, then `evaluate`
+and `predict` at 32: the batches run whole, as in plain `fit`, or the
+guard says before a step runs that one cannot fit.
+
 Training runs with a `MemoryMonitor` beside the guard. Reports through
 `emit_result`: the batches that ended, the counts, the peak usage the
 monitor logged for each batch, the out-of-memory recoveries, the loss, and the error raised, if any.
@@ -237,8 +244,46 @@ def validation(xla):
     emit_result(result)
 
 
+def stateful(xla):
+    """`stateful` of the module docstring."""
+    messages = collect_package_messages()
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(batch_shape=(32, 50, 8))
+    hidden = keras.layers.LSTM(128, stateful=True, return_sequences=True)(inputs)
+    hidden = keras.layers.LSTM(128, stateful=True)(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model.compile("adam", "mse", jit_compile="auto" if xla else False)
+    x = np.random.default_rng(0).normal(size=(128, 50, 8)).astype("float32")
+    y = x[:, -1, :1]
+    ks = MicroBatchCounts()
+    guard = keras_memguard.MemoryGuard(plan_cache=False)
+    result = {"error": None, "loss": None, "evaluated": None, "predicted": None}
+    try:
+        history = model.fit(
+            x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=[guard, ks]
+        )
+        result["loss"] = history.history["loss"]
+        result["evaluated"] = model.evaluate(x, y, batch_size=32, verbose=0, callbacks=[guard])
+        result["predicted"] = list(
+            model.predict(x, batch_size=32, verbose=0, callbacks=[guard]).shape
+        )
+    except Exception as raised:  # noqa: BLE001 - reported to the test.
+        result["error"] = f"{type(raised).__name__}: {raised}"
+    result.update(
+        jit_compile=bool(model.jit_compile),
+        batches=len(ks.ks),
+        expected_batches=2 * len(x) // 32,
+        ks=ks.ks,
+        oom_recoveries=guard.oom_recoveries,
+        messages=list(messages),
+    )
+    emit_result(result)
+
+
 def main():
     name, options = sys.argv[1], sys.argv[2:]
+    if name == "stateful":
+        return stateful(xla="off" not in options)
     if name == "xla_evaluate":
         evaluate_beyond_the_cap()
     if name == "fine_tune":

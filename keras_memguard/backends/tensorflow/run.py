@@ -26,6 +26,7 @@ from keras_memguard.callbacks import oom_report
 from keras_memguard.compiled_plan import count_after_no_free_block
 from keras_memguard.compiled_plan import excess_bytes
 from keras_memguard.compiled_plan import plan_micro_batches
+from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.backends.tensorflow import region
 from keras_memguard.backends import compat
@@ -302,6 +303,28 @@ class TfTrainingRun:
         limit = controller.limit_bytes
         target = session.config.threshold * limit
         shapes = _shapes_of(data)
+        rung = remat.is_on(model)
+
+        def analyse(count):
+            return cached_function(
+                model,
+                ("xla_memory", count, self.function.mode, rung, shapes),
+                lambda: xla_memory.step_memory(self.function.step_for(count), data, count),
+            )
+
+        if session.stateful_layers:
+            # Whole batches only: the step runs as in plain `fit`, unless its
+            # program cannot fit beside the memory in use at all.
+            memory = analyse(1)
+            if memory is not None and (before or 0) + memory.demand_bytes > limit:
+                raise MicroBatchTooLargeError(
+                    messages.stateful_step_too_large(
+                        batch_size, session.stateful_layers, memory.demand_bytes,
+                        before or 0, limit,
+                    ),
+                    limit_bytes=limit,
+                )
+            return 1
         planned, rounding = self._compiled_plans.get(shapes, (None, 0))
         in_use = before or 0
         if planned is not None and (
@@ -310,17 +333,6 @@ class TfTrainingRun:
         ):
             planned = None
         if planned is None:
-            rung = remat.is_on(model)
-
-            def analyse(count):
-                return cached_function(
-                    model,
-                    ("xla_memory", count, self.function.mode, rung, shapes),
-                    lambda: xla_memory.step_memory(
-                        self.function.step_for(count), data, count
-                    ),
-                )
-
             # Without `plan`, counts below `k` are not tried. The program is
             # read where the search starts, so the read is not a compile of
             # its own (a count the search may never try).
@@ -772,7 +784,12 @@ def inference_run(session, kind):
 
 
 def _compiled_slice_planner(session, kind):
-    """Plans the slices of an XLA test or predict step against the smallest limit."""
+    """Plans the slices of an XLA test or predict step against the smallest limit.
+
+    `None` (no plan hook) where the model's batches run whole.
+    """
+    if session.stateful_layers:
+        return None
 
     def in_use():
         # Read aside: the tries' blocks reach no reader's peak.
