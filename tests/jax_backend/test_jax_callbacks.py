@@ -534,3 +534,36 @@ def test_backup_dir_keeps_the_count_and_the_step_across_fits(tmp_path):
     history = model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[again])
     assert history.history["micro_batches"] == [4]
     assert again.session.step == 10  # 5 batches in each fit
+
+
+def test_a_stateful_rnn_trains_whole_batches_as_plain_fit_and_is_not_split(caplog):
+    # Its state holds a row per sample of 16: a planned first split used to
+    # be refused by the layer. Batches now run whole, evaluate and predict
+    # too, and asking for micro-batches is refused before fit runs.
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input(batch_shape=(16, 6, 3))
+        hidden = keras.layers.LSTM(8, stateful=True, name="lstm")(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+        model.compile("adam", "mse")
+        return model
+
+    x = np.random.default_rng(0).normal(size=(64, 6, 3)).astype("float32")
+    y = x[:, -1, :1]
+    plain = build()
+    plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model = build()
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan_cache=False)
+    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
+        history = model.fit(
+            x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[guard]
+        )
+        evaluated = model.evaluate(x, y, batch_size=16, verbose=0, callbacks=[guard])
+    assert history.history["micro_batches"] == [1.0, 1.0]
+    assert max_weight_difference(plain, model) < 1e-6
+    assert evaluated == pytest.approx(plain.evaluate(x, y, batch_size=16, verbose=0), rel=1e-6)
+    assert any("stateful layers ('lstm')" in r.getMessage() for r in caplog.records)
+    with pytest.raises(UnsupportedTrainingSetupError, match="Received: micro_batches=4"):
+        model.fit(x, y, batch_size=16, verbose=0, callbacks=[
+            keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
+        ])

@@ -465,3 +465,24 @@ def test_shrink_mode_scales_a_float_learning_rate_or_refuses_the_option():
     # While micro-batching, the rate is divided by the count; restored after.
     assert rates and all(rate == pytest.approx(0.01 / 4) for rate in rates), rates
     assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.01)
+
+
+def test_micro_batches_of_a_stateful_rnn_are_refused_and_so_is_a_batch_size_search():
+    # Its state holds a row per sample of 16, a batch size the model fixes.
+    # (Keras' own `fit` of a stateful LSTM fails on this backend with or
+    # without the guard: its state is updated in place inside the graph.)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(batch_shape=(16, 6, 3))
+    hidden = keras.layers.LSTM(8, stateful=True, name="lstm")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model.compile("adam", "mse")
+    x = np.random.default_rng(0).normal(size=(64, 6, 3)).astype("float32")
+    y = x[:, -1, :1]
+    weights = model.get_weights()
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
+    with pytest.raises(UnsupportedTrainingSetupError, match="Received: micro_batches=4"):
+        model.fit(x, y, batch_size=16, verbose=0, callbacks=[guard])
+    with pytest.raises(UnsupportedTrainingSetupError, match="stateful layers \\('lstm'\\)"):
+        keras_memguard.find_batch_size(model, x, y, memory_limit=1 << 30, verbose=0)
+    for got, want in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(got, want)
