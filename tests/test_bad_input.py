@@ -448,3 +448,81 @@ def test_nvml_query_failing_mid_run_is_logged_once_and_training_goes_on(
     assert [p.step for p in acc.Scalars("memory/gpu0/nvml_used_mib")] == [1, 2, 3]
     assert [p.step for p in acc.Scalars("utilization/gpu0/gpu_percent")] == steps
     assert history.history["memory_peak_mib"][-1] > 0
+
+
+class PerSampleLoss(keras.Model):
+    """A `compute_loss` of its own that is a mean over samples."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return keras.ops.mean(keras.ops.square(y_pred[:, :1] - y))
+
+
+class InBatchNegatives(keras.Model):
+    """A contrastive `compute_loss` (SimCLR, CLIP): each sample's negatives
+    are the other samples of its batch."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        a = keras.ops.normalize(y_pred[:, :8], axis=1)
+        b = keras.ops.normalize(y_pred[:, 8:], axis=1)
+        logits = keras.ops.matmul(a, keras.ops.transpose(b)) / 0.1
+        labels = keras.ops.arange(keras.ops.shape(logits)[0])
+        return keras.ops.mean(
+            keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+        )
+
+
+def own_loss_model(cls, dropout=0.0):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((12,))
+    hidden = keras.layers.Dense(32, activation="relu")(inputs)
+    hidden = keras.layers.Dropout(dropout)(hidden)
+    model = cls(inputs, keras.layers.Dense(16)(hidden))
+    model.compile("adam")
+    return model
+
+
+def test_an_own_loss_that_couples_the_batchs_samples_is_warned_about_once():
+    # Split into micro-batches, in-batch negatives are a quarter as many:
+    # another objective, with nothing to show it but the loss curve.
+    x, y = make_data(n=128)
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
+    with pytest.warns(UserWarning, match="not the mean of its parts' losses") as caught:
+        own_loss_model(InBatchNegatives).fit(
+            x, y, batch_size=64, epochs=2, verbose=0, callbacks=[guard]
+        )
+    told = [str(w.message) for w in caught if "parts' losses" in str(w.message)]
+    assert len(told) == 1 and "32 samples give" in told[0], told
+    assert "micro_batches=4" in told[0] and "HINT" in told[0], told
+
+
+def test_an_own_loss_that_is_a_mean_over_samples_trains_as_plain_fit_unwarned(recwarn):
+    x, y = make_data(n=128)
+    plain = own_loss_model(PerSampleLoss)
+    plain.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    model = own_loss_model(PerSampleLoss)
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
+    model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[guard])
+    assert not [w for w in recwarn if "parts' losses" in str(w.message)]
+    assert_weights_equal(model, plain.get_weights(), atol=1e-6)
+
+
+def test_the_own_loss_check_leaves_random_state_and_metrics_as_it_found_them(monkeypatch):
+    # With dropout the weights depend on every random draw: the check's
+    # forward pass (inference mode) must draw none, and change no metric.
+    from keras_memguard import split_loss
+
+    x, y = make_data(n=128)
+    runs = []
+    for check in (True, False):
+        if not check:
+            monkeypatch.setattr(split_loss, "check_once", lambda *args, **kwargs: None)
+        model = own_loss_model(PerSampleLoss, dropout=0.5)
+        guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
+        history = model.fit(
+            x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[guard]
+        )
+        runs.append((model.get_weights(), history.history["loss"]))
+    (checked, checked_loss), (unchecked, unchecked_loss) = runs
+    assert checked_loss == unchecked_loss
+    for got, want in zip(checked, unchecked):
+        np.testing.assert_array_equal(got, want)

@@ -29,6 +29,7 @@ import logging
 import weakref
 
 from keras_memguard import decider
+from keras_memguard import split_loss
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks import messages
 from keras_memguard.callbacks import oom_report
@@ -177,6 +178,15 @@ class JaxTrainingRun:
             k = self.session.micro_batches
         else:
             k = self._plan_new_shape(state, data)
+        model = self.model
+        variables = (
+            model.trainable_variables, model.non_trainable_variables,
+            model.optimizer.variables, model.metrics_variables,
+        )
+        split_loss.check_once(
+            model, data, batch_size_of(data), k,
+            values=[pair for group in zip(variables, state) for pair in zip(*group)],
+        )
         self.planned[key] = k
         self._set_count(k)
         return k

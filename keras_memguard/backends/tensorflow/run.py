@@ -18,6 +18,7 @@ import keras
 
 from keras_memguard import decider
 from keras_memguard import oom_explanation
+from keras_memguard import split_loss
 from keras_memguard.callbacks import agreement
 from keras_memguard.callbacks import inference
 from keras_memguard.callbacks import logs_carrier
@@ -252,9 +253,9 @@ class TfTrainingRun:
         if self.xla:
             # The compiled program is the plan; the decider's count is the
             # floor without `plan` (the user's, or one an error taught).
-            return self._apply(
-                self._plan_compiled(controller.state.micro_batches, batch_size, data, before)
-            )
+            k = self._plan_compiled(controller.state.micro_batches, batch_size, data, before)
+            split_loss.check_once(self.model, data, batch_size, k)
+            return self._apply(k)
         k = controller.plan(batch_size, sample_size, before)
         if (
             k >= batch_size
@@ -282,6 +283,8 @@ class TfTrainingRun:
                 )
             if why is not None and self._stop_accumulating(why):
                 k = controller.plan(batch_size, sample_size, before)
+        if not self.multi_worker:
+            split_loss.check_once(self.model, data, batch_size, k)
         return self._apply(k)
 
     def _apply(self, k):

@@ -28,6 +28,7 @@ import torch
 from keras import tree
 
 from keras_memguard import decider
+from keras_memguard import split_loss
 from keras_memguard.backends import shared
 from keras_memguard.backends.torch.inference import SlicedPredictFunction
 from keras_memguard.backends.torch.inference import SlicedTestFunction
@@ -215,8 +216,11 @@ class TorchTrainingRun:
         batch_size = self._batch_size = batch_size_of(data) or 1
         self._sample_size = sample_size_of(data)
         if not session.options.plan:
-            return session.micro_batches
-        return session.controller.plan(batch_size, self._sample_size, self._before)
+            k = session.micro_batches
+        else:
+            k = session.controller.plan(batch_size, self._sample_size, self._before)
+        split_loss.check_once(self.model, data, batch_size, k)
+        return k
 
     def _on_out_of_memory(self, failure):
         """The count to replay a batch with, from the decider, or raises."""
