@@ -4,7 +4,9 @@ A loss with `ignore_class`, or one on outputs that carry a Keras mask
 (`Embedding(mask_zero=True)`, `Masking`), is a mean over the unmasked
 elements of the batch. Padded sequences of different lengths put different
 numbers of them in each micro-batch, so weighting micro-batches by their
-share of the samples is not the whole batch's loss.
+share of the samples is not the whole batch's loss. Nor is it for the other
+reductions Keras has: `"sum"` (the micro-batches' sums add up) and
+`"mean_with_sample_weight"` (a mean over the sample weights' sum).
 """
 
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 
 import keras
 
+import keras_memguard
 from keras_memguard.backends.tensorflow.mixin import MemGuardMixin
 
 VOCABULARY, TOKENS = 40, 12
@@ -95,3 +98,44 @@ def test_padding_puts_different_numbers_of_tokens_in_each_micro_batch():
     x, _ = _padded_sequences()
     per_micro_batch = (x[:BATCH] != 0).reshape(4, -1).sum(axis=1)
     assert len(set(per_micro_batch.tolist())) > 1
+
+
+def _reduced_model(reduction, jit_compile, masked):
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((TOKENS,), dtype="int32")
+    hidden = keras.layers.Embedding(VOCABULARY, 16)(tokens)
+    hidden = keras.layers.Dense(32, activation="tanh", kernel_regularizer="l2")(hidden)
+    model = keras.Model(tokens, keras.layers.Dense(VOCABULARY)(hidden))
+    loss = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, ignore_class=0 if masked else None, reduction=reduction
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=jit_compile)
+    return model
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["no_xla", "xla"])
+@pytest.mark.parametrize(
+    "reduction, masked",
+    [("sum", False), ("mean_with_sample_weight", False), ("mean_with_sample_weight", True)],
+)
+def test_every_reduction_trains_as_the_whole_batch_does(reduction, masked, jit_compile):
+    # Summed, a micro-batch's loss used to count a third of itself (k=3);
+    # over the weights' sum, each micro-batch divided by its own. Skewed
+    # weights, a batch that 3 does not divide and a last, smaller batch.
+    x, y = _padded_sequences(count=100)
+    weight = (np.random.default_rng(1).random(x.shape) ** 3).astype("float32")
+    runs = []
+    for guarded in (True, False):
+        model = _reduced_model(reduction, jit_compile, masked)
+        callbacks = [
+            keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=3)
+        ] if guarded else []
+        history = model.fit(
+            x, y, sample_weight=weight, batch_size=BATCH + 1, epochs=2, shuffle=False,
+            verbose=0, callbacks=callbacks,
+        )
+        runs.append((model.get_weights(), history.history["loss"]))
+    (weights, losses), (reference_weights, reference_losses) = runs
+    np.testing.assert_allclose(losses, reference_losses, rtol=2e-6)
+    for got, want in zip(weights, reference_weights):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)

@@ -71,6 +71,7 @@ PRIVATE_NAMES = (
     ("tensorflow.compiler.xla.service.hlo_pb2", "HloProto"),
     ("tensorflow.compiler.tf2xla.python.xla", "optimization_barrier"),
     ("keras.src.losses.loss", "apply_mask"),
+    ("keras.src.losses.loss", "reduce_values"),
     ("tf.function", "_omit_frequent_tracing_warning"),
     ("keras.src.trainers.data_adapters", "get_data_adapter"),
     ("keras.src.trainers.trainer", "model_supports_jit"),
@@ -86,12 +87,14 @@ JAX_PRIVATE_NAMES = (
     ("keras.src.backend.jax.trainer.JAXTrainer", "_get_jax_state"),
     ("keras.src.backend.jax.trainer.JAXTrainer", "jax_state_sync"),
     ("keras.Model", "_symbolic_build"),
+    ("keras.src.losses.loss", "reduce_values"),
 )
 # The torch trainer's private names, resolved where torch is installed.
 TORCH_PRIVATE_NAMES = (
     ("keras.src.backend.torch.trainer", "TorchTrainer"),
     ("keras.src.backend.torch.trainer", "TorchEpochIterator"),
     ("keras.src.losses.loss", "apply_mask"),
+    ("keras.src.losses.loss", "reduce_values"),
     ("keras.Model", "_compute_loss"),
     ("keras.Model", "_loss_tracker"),
     ("keras.Model", "_compile_loss"),
@@ -520,19 +523,24 @@ def recording_per_output_losses(model):
 
 @contextlib.contextmanager
 def recording_loss_masks():
-    """Records the masks Keras' losses average over, inside the block.
+    """Records what Keras' losses divide by, where it is not the samples.
 
     A loss whose values carry a mask (Keras masks, `ignore_class`) with a
-    mean reduction is divided by the number of unmasked elements, not of
-    samples. Inside the block (at trace time) each such reduction appends
-    `(valid, total)` to the yielded list: the unmasked elements and all
-    elements, scalar tensors.
+    mean reduction is divided by the number of unmasked elements, and one
+    reduced by `"mean_with_sample_weight"` by the sum of its sample weights
+    (the mask merged into them), not by the number of elements. Inside the
+    block (at trace time) each such reduction appends `(valid, total)` to
+    the yielded list: what it divided by, and all its elements, scalar
+    tensors. A micro-batch's loss weighted by its share of the samples
+    times `valid / total`, summed and divided by `sum(valid) / sum(total)`,
+    is then the whole batch's loss.
 
     Yields:
         A list of `(valid, total)` pairs.
     """
     module = importlib.import_module("keras.src.losses.loss")
-    original = _attribute(module, "apply_mask")
+    original_mask = _attribute(module, "apply_mask")
+    original_reduce = _attribute(module, "reduce_values")
     recorded = []
 
     def apply_mask(sample_weight, mask, dtype, reduction):
@@ -541,13 +549,61 @@ def recording_loss_masks():
             recorded.append(
                 (keras.ops.sum(flat), keras.ops.cast(keras.ops.shape(flat)[0], dtype))
             )
-        return original(sample_weight, mask, dtype, reduction)
+        return original_mask(sample_weight, mask, dtype, reduction)
+
+    def reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
+        loss = original_reduce(values, sample_weight, reduction)
+        if (
+            reduction == "mean_with_sample_weight"
+            and sample_weight is not None
+            and tuple(values.shape) not in ((), (0,))
+        ):
+            elements = keras.ops.prod(keras.ops.convert_to_tensor(keras.ops.shape(values)))
+            recorded.append(
+                (
+                    keras.ops.sum(keras.ops.cast(sample_weight, loss.dtype)),
+                    keras.ops.cast(elements, loss.dtype),
+                )
+            )
+        return loss
 
     module.apply_mask = apply_mask
+    module.reduce_values = reduce_values
     try:
         yield recorded
     finally:
-        module.apply_mask = original
+        module.apply_mask = original_mask
+        module.reduce_values = original_reduce
+
+
+@contextlib.contextmanager
+def scaling_summed_losses(scale):
+    """Inside the block, a loss reduced by `"sum"` comes out times `scale`.
+
+    Micro-batch losses are combined weighted by their share of the samples
+    (the whole batch's mean is the shares' sum of the micro-batches' means),
+    but a summed loss's whole-batch value is the plain sum of the
+    micro-batches' sums. With `scale` the inverse of the micro-batch's
+    share, its share-weighted value is its own sum, whatever else the loss
+    adds (mean-reduced terms, `model.losses`). Applied at trace time.
+
+    Args:
+        scale: A scalar (a float or a tensor).
+    """
+    module = importlib.import_module("keras.src.losses.loss")
+    original = _attribute(module, "reduce_values")
+
+    def reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
+        loss = original(values, sample_weight, reduction)
+        if reduction == "sum" and tuple(values.shape) not in ((), (0,)):
+            loss = loss * keras.ops.cast(scale, loss.dtype)
+        return loss
+
+    module.reduce_values = reduce_values
+    try:
+        yield
+    finally:
+        module.reduce_values = original
 
 
 def override_build_and_make_function(model, to_build_batch, wrap_step):

@@ -14,12 +14,15 @@ and its sample-weighted mean loss, as `train_step` updates them.
 
 For a loss that is a mean over the batch's samples (Keras' default
 `"sum_over_batch_size"` reduction, with or without sample weights) the
-update equals the whole batch's to float tolerance. Not equal: layers that
-use batch statistics (`BatchNormalization` normalizes each micro-batch by
-its own moments and updates its moving statistics once per micro-batch),
-losses masked per element (each micro-batch divides by its own count of
-unmasked elements), and losses added by layers that depend on the inputs
-and are summed rather than averaged over the batch.
+update equals the whole batch's to float tolerance; so it does for a loss
+reduced by `"sum"`, whose micro-batch sums are scaled to count whole
+(`compat.scaling_summed_losses`). Not equal: layers that use batch
+statistics (`BatchNormalization` normalizes each micro-batch by its own
+moments and updates its moving statistics once per micro-batch), losses
+masked per element or reduced by `"mean_with_sample_weight"` (each
+micro-batch divides by its own count of unmasked elements or its own sum
+of weights), and losses added by layers that depend on the inputs and are
+summed rather than averaged over the batch.
 """
 
 import functools
@@ -104,16 +107,18 @@ def micro_batch_train_step(model, state, data, micro_batches):
     def run(carry, part, share):
         gradients, non_trainable, metrics_variables, loss = carry
         part_x, part_y, part_weight = part
-        (_, aux), part_gradients = grad_fn(
-            trainable,
-            non_trainable,
-            metrics_variables,
-            part_x,
-            part_y,
-            part_weight,
-            training=True,
-            optimizer_variables=optimizer_variables,
-        )
+        # Weighted by its share below, a summed loss must come out as its sum.
+        with compat.scaling_summed_losses(1.0 / share):
+            (_, aux), part_gradients = grad_fn(
+                trainable,
+                non_trainable,
+                metrics_variables,
+                part_x,
+                part_y,
+                part_weight,
+                training=True,
+                optimizer_variables=optimizer_variables,
+            )
         unscaled_loss, y_pred, non_trainable, metrics_variables = aux
         # The whole batch's mean loss is the micro-batches' means, each
         # weighted by its share of the samples; so are its gradients.

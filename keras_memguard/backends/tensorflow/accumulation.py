@@ -275,7 +275,9 @@ def _micro_batch(model, micro_batch, variables, compute, weighted):
     `valid / total`: summed, that is the whole batch's masked mean times
     `sum(valid) / sum(total)`, which `_Engine.result` divides out.
     """
-    with tf.GradientTape() as tape:
+    # Accumulating, a summed loss's share-weighted value must be its own sum.
+    summed_scale = 1.0 / micro_batch.fraction if weighted else 1.0
+    with tf.GradientTape() as tape, compat.scaling_summed_losses(summed_scale):
         loss, y_pred, output_losses, extras, mask_share = compute(micro_batch)
         fraction = tf.cast(micro_batch.fraction, loss.dtype)
         if weighted and mask_share is not None:
@@ -345,10 +347,11 @@ def _mask_share(model, masks, output_losses, micro_batches):
         warnings.warn(
             f"Model {model.name!r} has {len(output_losses) or len(masks)} loss "
             "terms, and some average over a mask (a Keras mask or "
-            f"`ignore_class`). Under micro_batches={micro_batches} each "
-            "micro-batch's loss is weighted by its share of the samples, not "
-            "of the unmasked elements: close to the whole batch's loss, not "
-            "equal to it. One masked loss on a model with one output is "
+            "`ignore_class`) or over their sample weights "
+            f"(`mean_with_sample_weight`). Under micro_batches={micro_batches} "
+            "each micro-batch's loss is weighted by its share of the samples, "
+            "not of what it averaged over: close to the whole batch's loss, "
+            "not equal to it. One such loss on a model with one output is "
             "combined exactly.",
             stacklevel=2,
         )

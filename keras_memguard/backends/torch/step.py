@@ -221,10 +221,11 @@ def _exact_mask(model, masks, micro_batches):
         warnings.warn(
             f"Model {model.name!r} has {max(len(masks), compat.loss_term_count(model))} "
             "loss terms, and some average over a mask (a Keras mask or "
-            f"`ignore_class`). Under micro_batches={micro_batches} each "
-            "micro-batch's loss is weighted by its share of the samples, not "
-            "of the unmasked elements: close to the whole batch's loss, not "
-            "equal to it. One masked loss on a model with one output is "
+            "`ignore_class`) or over their sample weights "
+            f"(`mean_with_sample_weight`). Under micro_batches={micro_batches} "
+            "each micro-batch's loss is weighted by its share of the samples, "
+            "not of what it averaged over: close to the whole batch's loss, "
+            "not equal to it. One such loss on a model with one output is "
             "combined exactly.",
             stacklevel=3,
         )
@@ -276,10 +277,12 @@ def _accumulate(model, data, micro_batches, progress):
     for start, stop in micro_batch_rows(batch_size, micro_batches):
         part_x, part_y = rows(x, start, stop), rows(y, start, stop)
         part_weight = rows(sample_weight, start, stop)
-        loss, y_pred, mask = _micro_batch_loss(
-            model, part_x, part_y, part_weight, micro_batches
-        )
         share = (stop - start) / batch_size
+        # Weighted by its share below, a summed loss must come out as its sum.
+        with compat.scaling_summed_losses(1.0 / share):
+            loss, y_pred, mask = _micro_batch_loss(
+                model, part_x, part_y, part_weight, micro_batches
+            )
         if mask is not None:
             # Weighted by the unmasked elements' share, up to a factor the
             # whole batch's counts give once every micro-batch is done.
