@@ -8,8 +8,8 @@ through Keras' own stateless `test_step` / `predict_step`, compiled without
 donating the state, so a slice that raises XLA's out-of-memory error is run
 again, in smaller slices, on the state it started from. Evaluation threads
 the metrics' state through the slices (Keras' loss tracker weighs each
-slice's mean loss by its samples), so the metrics are those of the whole
-batch; prediction concatenates the slices' outputs in order, on the host.
+slice's mean loss by its samples, and a summed loss is scaled to count
+whole), so the metrics are those of the whole batch; prediction concatenates the slices' outputs in order, on the host.
 
 Before a batch of a new shape runs, `plan` (when given) may choose the
 count from what XLA says each slice's compiled step needs (`memory`).
@@ -57,14 +57,22 @@ class _SlicedFunction:
         self._compiled = {}
         self._latest = None
 
-    def _step(self, state, data):
+    def _step(self, state, data, summed_scale):
+        """One slice; `summed_scale` scales a loss reduced by `"sum"`.
+
+        Keras' loss tracker weighs each slice's loss by its samples: a
+        slice's summed loss times the inverse of its share of the batch
+        adds up to the batch's sum (`compat.scaling_summed_losses`). An
+        argument, so one compile serves slices of any batch.
+        """
         raise NotImplementedError
 
     def _executable(self, state, data):
         key = shape_key(data)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._jitted.lower(spec_of(state), spec_of(data)).compile()
+            scale = jax.ShapeDtypeStruct((), np.float32)
+            compiled = self._jitted.lower(spec_of(state), spec_of(data), scale).compile()
             self._compiled[key] = compiled
         return compiled
 
@@ -93,8 +101,9 @@ class _SlicedFunction:
             try:
                 # Waited for: on a GPU an allocation that fails shows only
                 # when a result is read (XLA runs asynchronously).
+                scale = np.float32(batch_size / (stop - start))
                 result, state = jax.block_until_ready(
-                    self._executable(state, piece)(state, piece)
+                    self._executable(state, piece)(state, piece, scale)
                 )
                 self._latest = state
             except Exception as error:
@@ -145,8 +154,9 @@ class SlicedTestFunction(_SlicedFunction):
             larger count, or raising. Defaults to `None`: `double_slices`.
     """
 
-    def _step(self, state, data):
-        return self.model.test_step(state, data)
+    def _step(self, state, data, summed_scale):
+        with compat.scaling_summed_losses(summed_scale):
+            return self.model.test_step(state, data)
 
     def __call__(self, state, iterator):
         return self._executions(state, iterator, self.run, "test")
@@ -172,7 +182,8 @@ class SlicedPredictFunction(_SlicedFunction):
         on_out_of_memory: As for `SlicedTestFunction`. Defaults to `None`.
     """
 
-    def _step(self, state, data):
+    def _step(self, state, data, summed_scale):
+        del summed_scale  # no loss
         outputs, non_trainable = self.model.predict_step(state, data)
         return outputs, (state[0], non_trainable)
 

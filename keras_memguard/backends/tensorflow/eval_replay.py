@@ -148,7 +148,7 @@ class ReplayTestFunction(SlicedStepFunction):
         return test_step_function(self.model)
 
     def _run_slice(self, step, data, fraction):
-        logs, after = step.call(data)
+        logs, after = step.call(data, fraction)
         if fraction == 1:
             self._saved = after
         else:
@@ -240,6 +240,12 @@ class _TestStep(CompiledBatchStep):
 
     def __init__(self, model):
         self.variables = None
+        # Keras' loss tracker weighs each call's loss by its samples: a
+        # slice's summed loss times the inverse of its share of the batch
+        # then adds up to the batch's sum (`compat.scaling_summed_losses`).
+        # A variable, read when the step runs: one trace serves every slice.
+        self._summed_scale = tf.Variable(1.0, trainable=False, dtype=tf.float32)
+        self._scale = 1.0
         # Weak: the step lives in a cache keyed weakly by the model.
         model_ref = weakref.ref(model)
 
@@ -247,7 +253,8 @@ class _TestStep(CompiledBatchStep):
         def one_step_on_data(data):
             model = model_ref()
             # As Keras' `_make_function` does for `model.test_step`.
-            outputs = model.distribute_strategy.run(model.test_step, args=(data,))
+            with compat.scaling_summed_losses(self._summed_scale):
+                outputs = model.distribute_strategy.run(model.test_step, args=(data,))
             outputs = compat.reduce_per_replica(
                 outputs, model.distribute_strategy, reduction="auto"
             )
@@ -257,8 +264,15 @@ class _TestStep(CompiledBatchStep):
 
         super().__init__(model, one_step_on_data)
 
-    def call(self, data):
-        """Returns `(logs, [(variable, value after the step), ...])`."""
+    def call(self, data, fraction=1.0):
+        """Returns `(logs, [(variable, value after the step), ...])`.
+
+        `fraction`: the slice's share of its batch.
+        """
+        scale = 1.0 / float(fraction)
+        if scale != self._scale:
+            self._summed_scale.assign(scale)
+            self._scale = scale
         logs, values = super().call(data)
         return logs, list(zip(self.variables, values))
 

@@ -11,11 +11,13 @@ are weighted means updated per slice (so the batch's metrics are those of
 the whole batch), a slice that fails has its metric updates put back, and
 the predictions of the slices are concatenated into the batch's. A loss
 that averages over unmasked elements is averaged per slice and weighted by
-the slice's samples, as Keras weighs its batches.
+the slice's samples, as Keras weighs its batches; a summed loss is scaled
+to count whole.
 """
 
 import torch
 
+from keras_memguard.backends import compat
 from keras_memguard.backends import shared
 from keras_memguard.backends.torch.replay import StateSnapshot
 from keras_memguard.backends.torch.replay import StepOutOfMemory
@@ -76,7 +78,11 @@ class _SlicedFunction:
             stop = min(batch_size, start + -(-batch_size // k))
             snapshot = StateSnapshot(self.model)
             try:
-                with torch.no_grad():
+                # Keras' loss tracker weighs each slice's loss by its
+                # samples: a summed loss scaled so that it counts whole.
+                with torch.no_grad(), compat.scaling_summed_losses(
+                    batch_size / (stop - start)
+                ):
                     result = self._step(rows(batch, start, stop))
             except Exception as error:
                 if not is_out_of_memory(error):
