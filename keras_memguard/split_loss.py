@@ -1,15 +1,20 @@
-"""Whether a model's own loss is the mean of its micro-batches' losses.
+"""Whether a model's loss is what its micro-batches' losses add up to.
 
-Micro-batching is exact when the loss of a batch is the sample-weighted
-mean of its parts' losses: every built-in Keras loss is, and the guard
-combines masked ones by their unmasked share. A `compute_loss` of the
-model's own need not be: a contrastive loss with in-batch negatives
-(SimCLR, CLIP), or one that normalizes by statistics of the whole batch,
-sees fewer samples per micro-batch and trains another objective, with no
-error to show it. Before the first split of such a model, `check_once`
-computes its loss on two micro-batches' worth of samples, whole and in
-halves (inference mode, so no dropout, from one forward pass), and warns
-once, with both figures, where they differ.
+Micro-batching is exact when the guard's combination of the parts' losses
+is the loss of the whole: a mean over samples weighted by each part's
+share of them, a sum counted whole, a masked mean by each part's share of
+the unmasked elements. Keras' built-in per-sample losses are. A loss
+computed over the whole batch at once is not: `keras.losses.Dice` and
+`Tversky` without an `axis` (one ratio over every pixel of the batch), a
+contrastive loss with in-batch negatives in a `compute_loss` of the
+model's own, a loss normalized by statistics of the batch. Split, it sees
+fewer samples per micro-batch and trains another objective, with no error
+to show it. Before the first split, `check_once` computes the loss of two
+micro-batches' worth of samples whole and from two parts, its first
+sample and the rest, combined as the guard combines micro-batches
+(inference mode, one forward pass), and warns once, with both figures,
+where they differ. Parts that unequal make a loss over the whole batch
+show itself: on samples alike, halves can agree with the whole to 1e-5.
 """
 
 import math
@@ -19,32 +24,39 @@ import keras
 from keras_memguard.backends import compat
 from keras_memguard.probes.base import warn_at_user_code
 
-# The relative difference past which the halves' mean is not the loss of
-# the whole: float32 sums of a few thousand terms stay far below it.
+# The relative difference past which the parts' combination is not the
+# loss of the whole: float32 sums of a few thousand terms stay far below it.
 RELATIVE_TOLERANCE = 1e-3
 
 _CHECKED_ATTR = "_memguard_split_loss_checked"
 
 
-def overrides_compute_loss(model):
-    """Whether `model`'s class computes its loss in a `compute_loss` of its own."""
-    return type(model).compute_loss is not keras.Model.compute_loss
+def _number(value):
+    return float(keras.ops.convert_to_numpy(value))
 
 
-def halves_and_whole(model, data, size):
-    """`(whole, halves)`: the loss of the first `size` samples, and its halves' mean.
+def parts_and_whole(model, data, size, exact_masks=True):
+    """`(whole, parts)`: the loss of the first `size` samples, and its parts' combination.
 
-    Both from one forward pass in inference mode. The model's metric
-    variables and random seed states are put back afterwards, so the check
-    leaves training as it found it.
+    The parts are the first sample and the other `size - 1`. Both from one
+    forward pass in inference mode; the parts combined as the guard
+    combines micro-batches (by their share of the samples, a
+    summed loss counted whole, one masked loss by the unmasked elements'
+    share). The model's metric variables and random seed states are put
+    back afterwards, so the check leaves training as it found it.
 
     Args:
         model: A compiled Keras model, its variables readable.
         data: A batch, `(x, y, sample_weight)` as the train step gets it.
-        size: An even number of samples, at most the batch's.
+        size: Samples, at least 2 and at most the batch's.
+        exact_masks: Whether the backend combines one masked loss by the
+            unmasked elements' share (TensorFlow, PyTorch). Defaults to
+            `True`.
 
     Returns:
-        Two floats.
+        Two floats, or `None` where the combination is not exact by design
+        (several loss terms that average over a mask, or a masked loss
+        where `exact_masks` is `False`): said elsewhere.
     """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
 
@@ -59,32 +71,51 @@ def halves_and_whole(model, data, size):
         + [v for v in model.non_trainable_variables if "seed_generator" in v.path]
     ]
     try:
-        first = rows(x, 0, size)
-        y_pred = model(first, training=False)
-        losses = []
-        for start, stop in ((0, size), (0, size // 2), (size // 2, size)):
-            loss = compat.compute_loss(
+        y_pred = model(rows(x, 0, size), training=False)
+
+        def loss(start, stop):
+            return compat.compute_loss(
                 model,
                 rows(x, start, stop),
                 rows(y, start, stop),
                 rows(y_pred, start, stop),
                 rows(sample_weight, start, stop),
             )
-            losses.append(float(keras.ops.convert_to_numpy(loss)))
+
+        whole = _number(loss(0, size))
+        parts = []
+        for start, stop in ((0, 1), (1, size)):
+            share = (stop - start) / size
+            with compat.scaling_summed_losses(1.0 / share), compat.recording_loss_masks() as masks:
+                value = _number(loss(start, stop))
+            parts.append((share, value, [tuple(_number(v) for v in pair) for pair in masks]))
     finally:
         for variable, value in kept:
             variable.assign(value)
-    whole, left, right = losses
-    return whole, (left + right) / 2.0
+    if not any(masks for _, _, masks in parts):
+        return whole, sum(share * value for share, value, _ in parts)
+    if (
+        not exact_masks
+        or any(len(masks) != 1 for _, _, masks in parts)
+        or compat.loss_term_count(model) > 1
+    ):
+        return None
+    valid = sum(masks[0][0] for _, _, masks in parts)
+    total = sum(masks[0][1] for _, _, masks in parts)
+    if not valid or not total:
+        return None
+    combined = sum(
+        share * value * masks[0][0] / masks[0][1] for share, value, masks in parts if masks[0][1]
+    )
+    return whole, combined * total / valid
 
 
-def check_once(model, data, batch_size, micro_batches, values=None):
-    """Warns once per model when its own loss is not its parts' mean.
+def check_once(model, data, batch_size, micro_batches, values=None, exact_masks=True):
+    """Warns once per model when its loss is not what its parts' losses add up to.
 
-    Only for a model with a `compute_loss` of its own, at its first batch
-    split in two or more. Nothing is raised: a check that cannot run here
-    (a forward pass that does not fit, inputs that cannot be sliced)
-    leaves training to go on, unchecked.
+    At the model's first batch split in two or more. Nothing is raised: a
+    check that cannot run here (a forward pass that does not fit, inputs
+    that cannot be sliced) leaves training to go on, unchecked.
 
     Args:
         model: A compiled Keras model.
@@ -96,35 +127,38 @@ def check_once(model, data, batch_size, micro_batches, values=None):
             variable and its value, read in a `keras.StatelessScope`,
             where nothing assigned reaches the variables. Defaults to
             `None`: the variables' own values.
+        exact_masks: As for `parts_and_whole`. Defaults to `True`.
     """
     if micro_batches < 2 or batch_size < 2 or getattr(model, _CHECKED_ATTR, False):
         return
     # object.__setattr__: a plain flag, not tracked state.
     object.__setattr__(model, _CHECKED_ATTR, True)
-    if not overrides_compute_loss(model):
-        return
     size = min(batch_size, 2 * math.ceil(batch_size / micro_batches))
-    size -= size % 2
     try:
         if values is None:
-            whole, halves = halves_and_whole(model, data, size)
+            found = parts_and_whole(model, data, size, exact_masks)
         else:
             with keras.StatelessScope(state_mapping=values):
-                whole, halves = halves_and_whole(model, data, size)
+                found = parts_and_whole(model, data, size, exact_masks)
     except Exception:  # noqa: BLE001 - a check, never a reason to stop training.
         return
-    if not (math.isfinite(whole) and math.isfinite(halves)):
+    if found is None:
         return
-    if abs(whole - halves) <= RELATIVE_TOLERANCE * max(abs(whole), abs(halves), 1e-12):
+    whole, combined = found
+    if not (math.isfinite(whole) and math.isfinite(combined)):
+        return
+    if abs(whole - combined) <= RELATIVE_TOLERANCE * max(abs(whole), abs(combined), 1e-12):
         return
     warn_at_user_code(
-        f"Model {model.name!r} computes its loss in a `compute_loss` of its "
-        f"own, and it is not the mean of its parts' losses: {size} samples "
-        f"give {whole:.6g} whole and {halves:.6g} as the mean of their halves. "
-        f"At micro_batches={micro_batches} each micro-batch's loss sees only "
-        "its own samples (in-batch negatives, batch statistics), so the "
-        "model trains another objective than plain `fit` does. HINT: a loss "
-        "that is a mean over samples splits exactly; otherwise train with a "
-        "batch that fits whole (`find_batch_size`), with "
+        f"The loss of model {model.name!r} is not what its micro-batches' "
+        f"losses add up to: {size} samples give {whole:.6g} whole and "
+        f"{combined:.6g} from their first sample and the rest, combined as "
+        f"micro-batches are. At micro_batches={micro_batches} "
+        "each micro-batch's loss sees only its own samples, so the model "
+        "trains another objective than plain `fit` does: a loss computed "
+        "over the whole batch at once (`keras.losses.Dice` or `Tversky` "
+        "without an `axis`, in-batch negatives, batch statistics). HINT: "
+        "compute the loss per sample (Dice: `axis=` the non-batch axes), "
+        "or train at a batch that fits whole (`find_batch_size`), with "
         "`MemoryGuard(max_micro_batches=1)` to keep the guard watching."
     )

@@ -486,11 +486,11 @@ def test_an_own_loss_that_couples_the_batchs_samples_is_warned_about_once():
     # another objective, with nothing to show it but the loss curve.
     x, y = make_data(n=128)
     guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
-    with pytest.warns(UserWarning, match="not the mean of its parts' losses") as caught:
+    with pytest.warns(UserWarning, match="not what its micro-batches' losses add up to") as caught:
         own_loss_model(InBatchNegatives).fit(
             x, y, batch_size=64, epochs=2, verbose=0, callbacks=[guard]
         )
-    told = [str(w.message) for w in caught if "parts' losses" in str(w.message)]
+    told = [str(w.message) for w in caught if "add up to" in str(w.message)]
     assert len(told) == 1 and "32 samples give" in told[0], told
     assert "micro_batches=4" in told[0] and "HINT" in told[0], told
 
@@ -502,7 +502,7 @@ def test_an_own_loss_that_is_a_mean_over_samples_trains_as_plain_fit_unwarned(re
     model = own_loss_model(PerSampleLoss)
     guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
     model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[guard])
-    assert not [w for w in recwarn if "parts' losses" in str(w.message)]
+    assert not [w for w in recwarn if "add up to" in str(w.message)]
     assert_weights_equal(model, plain.get_weights(), atol=1e-6)
 
 
@@ -526,3 +526,39 @@ def test_the_own_loss_check_leaves_random_state_and_metrics_as_it_found_them(mon
     assert checked_loss == unchecked_loss
     for got, want in zip(checked, unchecked):
         np.testing.assert_array_equal(got, want)
+
+
+def segmentation_model(loss):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16, 16, 3))
+    hidden = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inputs)
+    model = keras.Model(inputs, keras.layers.Conv2D(1, 1, activation="sigmoid")(hidden))
+    model.compile(keras.optimizers.SGD(0.1), loss)
+    return model
+
+
+def test_keras_dice_loss_over_the_whole_batch_is_warned_about_and_per_sample_is_exact(recwarn):
+    # keras.losses.Dice() takes one ratio over every pixel of the batch: a
+    # micro-batch's Dice is another loss. With `axis` it is per sample.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16, 16, 3)).astype("float32")
+    # Masks as segmentation data has them: from empty to mostly foreground.
+    density = rng.random((64, 1, 1, 1)) ** 2
+    y = (rng.random((64, 16, 16, 1)) < density).astype("float32")
+
+    def fit(loss, guarded):
+        model = segmentation_model(loss)
+        callbacks = [
+            keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
+        ] if guarded else []
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+        return model
+
+    fit(keras.losses.Dice(), guarded=True)
+    told = [str(w.message) for w in recwarn if "add up to" in str(w.message)]
+    assert len(told) == 1 and "`keras.losses.Dice`" in told[0] and "16 samples give" in told[0], told
+    recwarn.clear()
+    per_sample = keras.losses.Dice(axis=(1, 2, 3))
+    model = fit(per_sample, guarded=True)
+    assert not [w for w in recwarn if "add up to" in str(w.message)]
+    assert_weights_equal(model, fit(per_sample, guarded=False).get_weights(), atol=1e-6)

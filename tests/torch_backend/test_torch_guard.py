@@ -523,7 +523,7 @@ def test_an_own_loss_is_warned_about_only_where_it_couples_the_samples(recwarn):
         fits[cls] = build(cls)
         guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
         fits[cls].fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[guard])
-    told = [str(w.message) for w in recwarn if "not the mean of its parts' losses" in str(w.message)]
+    told = [str(w.message) for w in recwarn if "not what its micro-batches' losses add up to" in str(w.message)]
     assert len(told) == 1 and "in_batch_negatives" in told[0], told
     for got, want in zip(fits[_PerSampleLoss].get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
