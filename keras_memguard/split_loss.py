@@ -17,6 +17,7 @@ where they differ. Parts that unequal make a loss over the whole batch
 show itself: on samples alike, halves can agree with the whole to 1e-5.
 """
 
+import gc
 import math
 
 import keras
@@ -142,6 +143,11 @@ def check_once(model, data, batch_size, micro_batches, values=None, exact_masks=
                 found = parts_and_whole(model, data, size, exact_masks)
     except Exception:  # noqa: BLE001 - a check, never a reason to stop training.
         return
+    finally:
+        # The eager forward pass leaves its tensors in reference cycles: held
+        # until the next collection, they would sit beside the step about to
+        # run (an XLA step planned without them runs out of memory).
+        gc.collect()
     if found is None:
         return
     whole, combined = found

@@ -562,3 +562,4 @@ def test_keras_dice_loss_over_the_whole_batch_is_warned_about_and_per_sample_is_
     model = fit(per_sample, guarded=True)
     assert not [w for w in recwarn if "add up to" in str(w.message)]
     assert_weights_equal(model, fit(per_sample, guarded=False).get_weights(), atol=1e-6)
+
