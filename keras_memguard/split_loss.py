@@ -9,8 +9,8 @@ computed over the whole batch at once is not: `keras.losses.Dice` and
 contrastive loss with in-batch negatives in a `compute_loss` of the
 model's own, a loss normalized by statistics of the batch. Split, it sees
 fewer samples per micro-batch and trains another objective, with no error
-to show it. Before the first split, `check_once` computes the loss of two
-micro-batches' worth of samples whole and from two parts, its first
+to show it. Before the first split, `check_once` computes the loss of one
+micro-batch's worth of samples whole and from two parts, its first
 sample and the rest, combined as the guard combines micro-batches
 (inference mode, one forward pass), and warns once, with both figures,
 where they differ. Parts that unequal make a loss over the whole batch
@@ -134,7 +134,9 @@ def check_once(model, data, batch_size, micro_batches, values=None, exact_masks=
         return
     # object.__setattr__: a plain flag, not tracked state.
     object.__setattr__(model, _CHECKED_ATTR, True)
-    size = min(batch_size, 2 * math.ceil(batch_size / micro_batches))
+    # One micro-batch's samples: a forward pass of them, without gradients,
+    # needs less than the step about to run at that count.
+    size = min(batch_size, max(2, math.ceil(batch_size / micro_batches)))
     try:
         if values is None:
             found = parts_and_whole(model, data, size, exact_masks)

@@ -491,7 +491,7 @@ def test_an_own_loss_that_couples_the_batchs_samples_is_warned_about_once():
             x, y, batch_size=64, epochs=2, verbose=0, callbacks=[guard]
         )
     told = [str(w.message) for w in caught if "add up to" in str(w.message)]
-    assert len(told) == 1 and "32 samples give" in told[0], told
+    assert len(told) == 1 and "16 samples give" in told[0], told
     assert "micro_batches=4" in told[0] and "HINT" in told[0], told
 
 
@@ -556,7 +556,7 @@ def test_keras_dice_loss_over_the_whole_batch_is_warned_about_and_per_sample_is_
 
     fit(keras.losses.Dice(), guarded=True)
     told = [str(w.message) for w in recwarn if "add up to" in str(w.message)]
-    assert len(told) == 1 and "`keras.losses.Dice`" in told[0] and "16 samples give" in told[0], told
+    assert len(told) == 1 and "`keras.losses.Dice`" in told[0] and "8 samples give" in told[0], told
     recwarn.clear()
     per_sample = keras.losses.Dice(axis=(1, 2, 3))
     model = fit(per_sample, guarded=True)
