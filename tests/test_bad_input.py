@@ -20,6 +20,9 @@ import tensorflow as tf
 
 import keras_memguard
 from helpers import SampleCount
+from split_cases import InBatchNegatives
+from split_cases import PerSampleLoss
+from split_cases import own_loss_model
 from keras_memguard.backends.tensorflow.eval_replay import ReplayTestFunction
 from tensorboard.backend.event_processing import event_accumulator
 
@@ -448,37 +451,6 @@ def test_nvml_query_failing_mid_run_is_logged_once_and_training_goes_on(
     assert [p.step for p in acc.Scalars("memory/gpu0/nvml_used_mib")] == [1, 2, 3]
     assert [p.step for p in acc.Scalars("utilization/gpu0/gpu_percent")] == steps
     assert history.history["memory_peak_mib"][-1] > 0
-
-
-class PerSampleLoss(keras.Model):
-    """A `compute_loss` of its own that is a mean over samples."""
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        return keras.ops.mean(keras.ops.square(y_pred[:, :1] - y))
-
-
-class InBatchNegatives(keras.Model):
-    """A contrastive `compute_loss` (SimCLR, CLIP): each sample's negatives
-    are the other samples of its batch."""
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        a = keras.ops.normalize(y_pred[:, :8], axis=1)
-        b = keras.ops.normalize(y_pred[:, 8:], axis=1)
-        logits = keras.ops.matmul(a, keras.ops.transpose(b)) / 0.1
-        labels = keras.ops.arange(keras.ops.shape(logits)[0])
-        return keras.ops.mean(
-            keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
-        )
-
-
-def own_loss_model(cls, dropout=0.0):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((12,))
-    hidden = keras.layers.Dense(32, activation="relu")(inputs)
-    hidden = keras.layers.Dropout(dropout)(hidden)
-    model = cls(inputs, keras.layers.Dense(16)(hidden))
-    model.compile("adam")
-    return model
 
 
 def test_an_own_loss_that_couples_the_batchs_samples_is_warned_about_once():

@@ -8,6 +8,8 @@ import keras
 import pytest
 
 import keras_memguard
+from split_cases import reduced_regression_model
+from split_cases import regression_data
 from keras_memguard.backends.tensorflow.eval_replay import ReplayTestFunction
 from keras_memguard.backends.tensorflow import predict_replay
 
@@ -133,13 +135,8 @@ def test_under_a_real_cap_evaluate_and_predict_finish_where_plain_keras_runs_out
 def test_a_summed_loss_evaluated_in_slices_is_the_whole_batchs():
     # Keras' loss tracker weighs each call's loss by its samples: a slice's
     # sum used to count its share of itself (a third here).
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(100, 12)).astype("float32")
-    y = rng.normal(size=(100, 1)).astype("float32")
-    weight = (rng.random(100) ** 3).astype("float32")
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(8), keras.layers.Dense(1)])
-    model.compile("sgd", keras.losses.MeanSquaredError(reduction="sum"), metrics=["mae"])
+    x, y, weight = regression_data()
+    model = reduced_regression_model("sum")
     expected = model.evaluate(x, y, sample_weight=weight, batch_size=32, verbose=0, return_dict=True)
     function = ReplayTestFunction(model, micro_batches=3)
     function.install()

@@ -29,6 +29,10 @@ from tensorboard.backend.event_processing import event_accumulator
 import keras
 
 import keras_memguard
+from split_cases import InBatchNegatives
+from split_cases import PerSampleLoss
+from split_cases import own_loss_model
+from split_cases import regression_data
 from torch_models import make_failing
 from torch_models import max_relative_difference
 from torch_models import mlp_data
@@ -488,42 +492,16 @@ def test_micro_batches_of_a_stateful_rnn_are_refused_and_so_is_a_batch_size_sear
         np.testing.assert_array_equal(got, want)
 
 
-class _PerSampleLoss(keras.Model):
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        return keras.ops.mean(keras.ops.square(y_pred[:, :1] - y))
-
-
-class _InBatchNegatives(keras.Model):
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        a = keras.ops.normalize(y_pred[:, :8], axis=1)
-        b = keras.ops.normalize(y_pred[:, 8:], axis=1)
-        logits = keras.ops.matmul(a, keras.ops.transpose(b)) / 0.1
-        labels = keras.ops.arange(keras.ops.shape(logits)[0])
-        return keras.ops.mean(
-            keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
-        )
-
-
 def test_an_own_loss_is_warned_about_only_where_it_couples_the_samples(recwarn):
-    def build(cls):
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((12,))
-        hidden = keras.layers.Dense(32, activation="relu")(inputs)
-        model = cls(inputs, keras.layers.Dense(16)(hidden))
-        model.compile("adam")
-        return model
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(128, 12)).astype("float32")
-    y = x[:, :1]
-    plain = build(_PerSampleLoss)
+    x, y, _ = regression_data(n=128)
+    plain = own_loss_model(PerSampleLoss)
     plain.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
     fits = {}
-    for cls in (_PerSampleLoss, _InBatchNegatives):
-        fits[cls] = build(cls)
+    for cls in (PerSampleLoss, InBatchNegatives):
+        fits[cls] = own_loss_model(cls)
         guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
         fits[cls].fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[guard])
     told = [str(w.message) for w in recwarn if "not what its micro-batches' losses add up to" in str(w.message)]
     assert len(told) == 1 and "in_batch_negatives" in told[0], told
-    for got, want in zip(fits[_PerSampleLoss].get_weights(), plain.get_weights()):
+    for got, want in zip(fits[PerSampleLoss].get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)

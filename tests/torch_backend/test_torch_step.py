@@ -14,6 +14,7 @@ import torch
 import keras
 
 import keras_memguard
+from split_cases import weights_and_losses
 
 from torch_models import USER_MODELS
 from torch_models import fit_arguments
@@ -178,26 +179,9 @@ REDUCTIONS = ("sum", "mean_with_sample_weight")
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_a_loss_reduced_otherwise_than_by_the_mean_trains_as_plain_fit(reduction):
     # Summed, a micro-batch's loss used to count a third of itself (k=3).
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(100, 12)).astype("float32")
-    y = rng.normal(size=(100, 1)).astype("float32")
-    weight = (rng.random(100) ** 3).astype("float32")
-    runs = []
-    for guarded in (True, False):
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((12,))
-        hidden = keras.layers.Dense(32, activation="relu", kernel_regularizer="l2")(inputs)
-        model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
-        model.compile("sgd", keras.losses.MeanSquaredError(reduction=reduction))
-        callbacks = [
-            keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=3)
-        ] if guarded else []
-        history = model.fit(
-            x, y, sample_weight=weight, batch_size=25, epochs=2, shuffle=False,
-            verbose=0, callbacks=callbacks,
-        )
-        runs.append((model.get_weights(), history.history["loss"]))
-    (weights, losses), (reference_weights, reference_losses) = runs
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=3)
+    weights, losses = weights_and_losses(reduction, [guard])
+    reference_weights, reference_losses = weights_and_losses(reduction, [])
     np.testing.assert_allclose(losses, reference_losses, rtol=2e-6)
     for got, want in zip(weights, reference_weights):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
