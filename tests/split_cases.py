@@ -74,3 +74,55 @@ def weights_and_losses(reduction, callbacks):
         verbose=0, callbacks=callbacks,
     )
     return model.get_weights(), history.history["loss"]
+
+
+def assert_reduction_trains_as_plain_fit(reduction, guard):
+    """`weights_and_losses` under `guard` equal plain `fit`'s."""
+    weights, losses = weights_and_losses(reduction, [guard])
+    reference_weights, reference_losses = weights_and_losses(reduction, [])
+    np.testing.assert_allclose(losses, reference_losses, rtol=2e-6)
+    for got, want in zip(weights, reference_weights):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+
+
+def assert_only_the_coupled_loss_is_warned_about(recwarn, make_guard):
+    """Per-sample and in-batch-negative losses fitted under `make_guard()`.
+
+    The per-sample one trains as plain `fit` and is not warned about; the
+    other is, once.
+    """
+    x, y, _ = regression_data(n=128)
+    plain = own_loss_model(PerSampleLoss)
+    plain.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    fits = {}
+    for cls in (PerSampleLoss, InBatchNegatives):
+        fits[cls] = own_loss_model(cls)
+        fits[cls].fit(
+            x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[make_guard()]
+        )
+    told = [
+        str(w.message) for w in recwarn
+        if "not what its micro-batches' losses add up to" in str(w.message)
+    ]
+    assert len(told) == 1 and "in_batch_negatives" in told[0], told
+    for got, want in zip(fits[PerSampleLoss].get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+def assert_summed_loss_evaluates_as_unsliced(use_slices):
+    """`evaluate` of a summed loss after `use_slices(model)` equals it unsliced.
+
+    `use_slices(model)` installs the backend's function that evaluates a
+    batch in 3 slices.
+    """
+    x, y, weight = regression_data()
+    model = reduced_regression_model("sum")
+    expected = model.evaluate(
+        x, y, sample_weight=weight, batch_size=32, verbose=0, return_dict=True
+    )
+    use_slices(model)
+    sliced = model.evaluate(
+        x, y, sample_weight=weight, batch_size=32, verbose=0, return_dict=True
+    )
+    for key in expected:
+        np.testing.assert_allclose(sliced[key], expected[key], rtol=1e-5, err_msg=key)

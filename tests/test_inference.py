@@ -8,8 +8,7 @@ import keras
 import pytest
 
 import keras_memguard
-from split_cases import reduced_regression_model
-from split_cases import regression_data
+from split_cases import assert_summed_loss_evaluates_as_unsliced
 from keras_memguard.backends.tensorflow.eval_replay import ReplayTestFunction
 from keras_memguard.backends.tensorflow import predict_replay
 
@@ -135,16 +134,6 @@ def test_under_a_real_cap_evaluate_and_predict_finish_where_plain_keras_runs_out
 def test_a_summed_loss_evaluated_in_slices_is_the_whole_batchs():
     # Keras' loss tracker weighs each call's loss by its samples: a slice's
     # sum used to count its share of itself (a third here).
-    x, y, weight = regression_data()
-    model = reduced_regression_model("sum")
-    expected = model.evaluate(x, y, sample_weight=weight, batch_size=32, verbose=0, return_dict=True)
-    function = ReplayTestFunction(model, micro_batches=3)
-    function.install()
-    try:
-        sliced = model.evaluate(
-            x, y, sample_weight=weight, batch_size=32, verbose=0, return_dict=True
-        )
-    finally:
-        function.restore()
-    for key in expected:
-        np.testing.assert_allclose(sliced[key], expected[key], rtol=1e-5, err_msg=key)
+    assert_summed_loss_evaluates_as_unsliced(
+        lambda model: ReplayTestFunction(model, micro_batches=3).install()
+    )

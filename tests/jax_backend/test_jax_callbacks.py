@@ -18,11 +18,8 @@ import pytest
 import keras
 
 import keras_memguard
-from split_cases import InBatchNegatives
-from split_cases import PerSampleLoss
-from split_cases import own_loss_model
-from split_cases import reduced_regression_model
-from split_cases import regression_data
+from split_cases import assert_only_the_coupled_loss_is_warned_about
+from split_cases import assert_summed_loss_evaluates_as_unsliced
 from jax_models import make_mlp
 from jax_models import make_wide_mlp
 from jax_models import max_weight_difference
@@ -575,30 +572,18 @@ def test_a_stateful_rnn_trains_whole_batches_as_plain_fit_and_is_not_split(caplo
 
 
 def test_an_own_loss_is_warned_about_only_where_it_couples_the_samples(recwarn):
-    x, y, _ = regression_data(n=128)
-    plain = own_loss_model(PerSampleLoss)
-    plain.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
-    fits = {}
-    for cls in (PerSampleLoss, InBatchNegatives):
-        fits[cls] = own_loss_model(cls)
-        guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
-        fits[cls].fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[guard])
-    told = [str(w.message) for w in recwarn if "not what its micro-batches' losses add up to" in str(w.message)]
-    assert len(told) == 1 and "in_batch_negatives" in told[0], told
-    for got, want in zip(fits[PerSampleLoss].get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert_only_the_coupled_loss_is_warned_about(
+        recwarn,
+        lambda: keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4),
+    )
 
 
 def test_a_summed_loss_evaluated_in_slices_is_the_whole_batchs():
     # Keras' loss tracker weighs each call's loss by its samples: a slice's
     # sum used to count its share of itself (a third here).
-    x, y, weight = regression_data()
-    model = reduced_regression_model("sum")
-    expected = model.evaluate(x, y, sample_weight=weight, batch_size=32, verbose=0, return_dict=True)
     from keras_memguard.backends.jax.inference import SlicedTestFunction
     from keras_memguard.step_functions import set_test_function
 
-    set_test_function(model, SlicedTestFunction(model, micro_batches=3))
-    sliced = model.evaluate(x, y, sample_weight=weight, batch_size=32, verbose=0, return_dict=True)
-    for key in expected:
-        np.testing.assert_allclose(sliced[key], expected[key], rtol=1e-5, err_msg=key)
+    assert_summed_loss_evaluates_as_unsliced(
+        lambda model: set_test_function(model, SlicedTestFunction(model, micro_batches=3))
+    )

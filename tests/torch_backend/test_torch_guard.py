@@ -29,10 +29,7 @@ from tensorboard.backend.event_processing import event_accumulator
 import keras
 
 import keras_memguard
-from split_cases import InBatchNegatives
-from split_cases import PerSampleLoss
-from split_cases import own_loss_model
-from split_cases import regression_data
+from split_cases import assert_only_the_coupled_loss_is_warned_about
 from torch_models import make_failing
 from torch_models import max_relative_difference
 from torch_models import mlp_data
@@ -493,15 +490,7 @@ def test_micro_batches_of_a_stateful_rnn_are_refused_and_so_is_a_batch_size_sear
 
 
 def test_an_own_loss_is_warned_about_only_where_it_couples_the_samples(recwarn):
-    x, y, _ = regression_data(n=128)
-    plain = own_loss_model(PerSampleLoss)
-    plain.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
-    fits = {}
-    for cls in (PerSampleLoss, InBatchNegatives):
-        fits[cls] = own_loss_model(cls)
-        guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
-        fits[cls].fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[guard])
-    told = [str(w.message) for w in recwarn if "not what its micro-batches' losses add up to" in str(w.message)]
-    assert len(told) == 1 and "in_batch_negatives" in told[0], told
-    for got, want in zip(fits[PerSampleLoss].get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert_only_the_coupled_loss_is_warned_about(
+        recwarn,
+        lambda: keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4),
+    )

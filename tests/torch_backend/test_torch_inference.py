@@ -13,8 +13,7 @@ import torch
 import keras
 
 import keras_memguard
-from split_cases import reduced_regression_model
-from split_cases import regression_data
+from split_cases import assert_summed_loss_evaluates_as_unsliced
 from keras_memguard.backends.torch.inference import SlicedPredictFunction
 from keras_memguard.backends.torch.inference import SlicedTestFunction
 from keras_memguard.errors import MicroBatchTooLargeError
@@ -147,10 +146,6 @@ def test_a_slice_of_one_row_that_does_not_fit_is_a_clear_error():
 def test_a_summed_loss_evaluated_in_slices_is_the_whole_batchs():
     # Keras' loss tracker weighs each call's loss by its samples: a slice's
     # sum used to count its share of itself (a third here).
-    x, y, weight = regression_data()
-    model = reduced_regression_model("sum")
-    expected = model.evaluate(x, y, sample_weight=weight, batch_size=32, verbose=0, return_dict=True)
-    set_test_function(model, SlicedTestFunction(model, micro_batches=3))
-    sliced = model.evaluate(x, y, sample_weight=weight, batch_size=32, verbose=0, return_dict=True)
-    for key in expected:
-        np.testing.assert_allclose(sliced[key], expected[key], rtol=1e-5, err_msg=key)
+    assert_summed_loss_evaluates_as_unsliced(
+        lambda model: set_test_function(model, SlicedTestFunction(model, micro_batches=3))
+    )
