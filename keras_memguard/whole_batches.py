@@ -6,10 +6,13 @@ is built (its `batch_shape`). A micro-batch, a slice or a smaller batch
 would need a state of another size, which Keras refuses (a `ValueError`
 from the layer), and would break the sequences the state carries besides.
 The guard trains such a model's batches whole, and the batch size finder
-refuses to search a size the model fixes; both ask `stateful_layers`.
+refuses to search a size the model fixes; both ask `stateful_layers`, and
+`MemGuardMixin` refuses a count above one (`check_micro_batches`).
 """
 
 from keras_memguard.backends import compat
+from keras_memguard.callbacks import messages
+from keras_memguard.errors import UnsupportedTrainingSetupError
 
 
 def stateful_layers(model):
@@ -40,3 +43,25 @@ def stateful_layers(model):
         layer.name for layer in layers
         if layer is not model and getattr(layer, "stateful", False) is True
     )
+
+
+def check_micro_batches(model, micro_batches):
+    """Raises where `micro_batches` above one is asked of a model with stateful layers.
+
+    Args:
+        model: A Keras model.
+        micro_batches: The count asked for, an `int` >= 1.
+
+    Returns:
+        `micro_batches`.
+
+    Raises:
+        UnsupportedTrainingSetupError: Naming the layers and the count.
+    """
+    if micro_batches > 1:
+        layers = stateful_layers(model)
+        if layers:
+            raise UnsupportedTrainingSetupError(
+                messages.stateful_split_refused(type(model).__name__, layers, micro_batches)
+            )
+    return micro_batches

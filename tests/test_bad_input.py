@@ -535,3 +535,20 @@ def test_keras_dice_loss_over_the_whole_batch_is_warned_about_and_per_sample_is_
     assert not [w for w in recwarn if "add up to" in str(w.message)]
     assert_weights_equal(model, fit(per_sample, guarded=False).get_weights(), atol=1e-6)
 
+
+
+def test_a_stateful_mixin_model_refuses_micro_batches_and_trains_whole():
+    class Guarded(keras_memguard.MemGuardMixin, keras.Model):
+        pass
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(batch_shape=(16, 6, 3))
+    hidden = keras.layers.LSTM(8, stateful=True, name="lstm")(inputs)
+    model = Guarded(inputs, keras.layers.Dense(1)(hidden))
+    model.compile("adam", "mse")
+    with pytest.raises(keras_memguard.UnsupportedTrainingSetupError, match="Received: micro_batches=4"):
+        model.micro_batches = 4
+    assert model.micro_batches == 1
+    x = np.random.default_rng(0).normal(size=(64, 6, 3)).astype("float32")
+    history = model.fit(x, x[:, -1, :1], batch_size=16, verbose=0)
+    assert np.isfinite(history.history["loss"][0])

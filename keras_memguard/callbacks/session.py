@@ -23,8 +23,8 @@ from keras_memguard.callbacks.controller import GuardController
 from keras_memguard.callbacks.sampling import resolve_limits
 from keras_memguard.callbacks.sampling import shared_reader
 from keras_memguard.errors import MemoryLimitUnknownError
-from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.sinks import tensorboard as tb
+from keras_memguard.whole_batches import check_micro_batches
 from keras_memguard.whole_batches import stateful_layers
 
 logger = logging.getLogger("keras_memguard")
@@ -152,12 +152,7 @@ class GuardSession:
         self.reader.register(self, self.options.memory_limit)
         self.stateful_layers = stateful_layers(model)
         if self.stateful_layers and self.config.max_micro_batches != 1:
-            if self.options.micro_batches > 1:
-                raise UnsupportedTrainingSetupError(
-                    messages.stateful_split_refused(
-                        type(model).__name__, self.stateful_layers, self.options.micro_batches
-                    )
-                )
+            check_micro_batches(model, self.options.micro_batches)
             logger.warning(
                 "%s", messages.stateful_whole_batches(type(model).__name__, self.stateful_layers)
             )

@@ -15,6 +15,7 @@ from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.backends.jax.replay import ReplayingTrainFunction
 from keras_memguard.backends.jax.replay import double_micro_batches
 from keras_memguard import step_functions as functions
+from keras_memguard.whole_batches import check_micro_batches
 
 
 class MemGuardMixin:
@@ -65,7 +66,10 @@ class MemGuardMixin:
     @micro_batches.setter
     def micro_batches(self, value):
         # Plain Python state, kept out of Keras' attribute tracking.
-        object.__setattr__(self, "_memguard_micro_batches", validate_micro_batches(value))
+        object.__setattr__(
+            self, "_memguard_micro_batches",
+            check_micro_batches(self, validate_micro_batches(value)),
+        )
 
     @property
     def micro_batch_mode(self):

@@ -9,6 +9,7 @@ from keras_memguard.backends.tensorflow.step import MIXIN_STEP_MARK
 from keras_memguard.backends.tensorflow.step import build_training_state
 from keras_memguard.backends.tensorflow.step import micro_batch_train_step
 from keras_memguard.backends.tensorflow.step import step_function
+from keras_memguard.whole_batches import check_micro_batches
 
 
 def _set_private(model, name, value):
@@ -135,7 +136,7 @@ class MemGuardMixin:
 
     @micro_batches.setter
     def micro_batches(self, value):
-        value = validate_micro_batches(value)
+        value = check_micro_batches(self, validate_micro_batches(value))
         _set_private(self, "_memguard_micro_batches", value)
         self._memguard_use_current_step()
 

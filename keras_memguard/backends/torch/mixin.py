@@ -15,6 +15,7 @@ from keras_memguard.backends.torch.replay import double_micro_batches
 from keras_memguard.backends.torch.step import validate_mode
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.errors import UnsupportedTrainingSetupError
+from keras_memguard.whole_batches import check_micro_batches
 
 
 class MemGuardMixin:
@@ -68,7 +69,8 @@ class MemGuardMixin:
     def micro_batches(self, value):
         # Plain Python state, kept out of Keras' and torch's attribute tracking.
         object.__setattr__(
-            self, "_memguard_micro_batches", validate_micro_batches(value)
+            self, "_memguard_micro_batches",
+            check_micro_batches(self, validate_micro_batches(value)),
         )
 
     @property
