@@ -478,6 +478,7 @@ def test_an_own_loss_that_is_a_mean_over_samples_trains_as_plain_fit_unwarned(re
     assert_weights_equal(model, plain.get_weights(), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_own_loss_check_leaves_random_state_and_metrics_as_it_found_them(monkeypatch):
     # With dropout the weights depend on every random draw: the check's
     # forward pass (inference mode) must draw none, and change no metric.
@@ -509,6 +510,7 @@ def segmentation_model(loss):
     return model
 
 
+@pytest.mark.slow
 def test_keras_dice_loss_over_the_whole_batch_is_warned_about_and_per_sample_is_exact(recwarn):
     # keras.losses.Dice() takes one ratio over every pixel of the batch: a
     # micro-batch's Dice is another loss. With `axis` it is per sample.

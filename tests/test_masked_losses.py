@@ -115,7 +115,10 @@ def _reduced_model(reduction, jit_compile, masked):
     return model
 
 
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["no_xla", "xla"])
+# With XLA (compiles of their own): out of the fast loop.
+@pytest.mark.parametrize(
+    "jit_compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["no_xla", "xla"]
+)
 @pytest.mark.parametrize(
     "reduction, masked",
     [("sum", False), ("mean_with_sample_weight", False), ("mean_with_sample_weight", True)],
