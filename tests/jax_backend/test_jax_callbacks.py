@@ -73,13 +73,14 @@ class FailingStep:
     def memory_analysis(self):
         return self.compiled.memory_analysis()
 
-    def __call__(self, state, data):
+    def __call__(self, state, data, *rest):
+        # `rest`: what else the step takes (a slice's summed-loss scale).
         self.runs.append(self.micro_batches)
         if self.fails:
             raise jax.errors.JaxRuntimeError(
                 "RESOURCE_EXHAUSTED: Out of memory allocating 4096 bytes.", 8
             )
-        return self.compiled(state, data)
+        return self.compiled(state, data, *rest)
 
 
 def failing_step(compiled, failing_counts, runs):
