@@ -83,6 +83,7 @@ from keras import tree
 from keras_memguard import backends
 from keras_memguard import decider
 from keras_memguard import oom_explanation
+from keras_memguard.callbacks import messages
 from keras_memguard.callbacks.sampling import resolve_limits
 from keras_memguard.compiled_plan import plan_micro_batches
 from keras_memguard.errors import MemoryLimitUnknownError
@@ -265,11 +266,7 @@ def find_batch_size(
     stateful = stateful_layers(model)
     if stateful:
         raise UnsupportedTrainingSetupError(
-            f"find_batch_size cannot try other batch sizes on {type(model).__name__}: "
-            f"its stateful layers ({', '.join(repr(n) for n in stateful)}) keep "
-            "one state row per sample of the batch size the model was built "
-            "with (their `batch_shape`). HINT: build the model without "
-            "`stateful=True` to search, or rebuild it at each batch size to try."
+            messages.stateful_search_refused(type(model).__name__, stateful)
         )
     protocol = backends.current()
     backend = protocol.batch_size_finder()

@@ -198,6 +198,17 @@ def stateful_split_refused(class_name, layers, micro_batches):
     )
 
 
+def stateful_search_refused(class_name, layers):
+    """`find_batch_size`'s `UnsupportedTrainingSetupError` text for stateful layers."""
+    return (
+        f"find_batch_size cannot try other batch sizes on {class_name}: its "
+        f"stateful layers ({_names(layers)}) keep one state row per sample of "
+        "the batch size the model was built with (their `batch_shape`). HINT: "
+        "build the model without `stateful=True` to search, or rebuild it at "
+        "each batch size to try."
+    )
+
+
 def stateful_out_of_memory(batch_size, layers, evaluating=False):
     """`MicroBatchTooLargeError`'s text when a stateful model's batch does not fit."""
     batch = "validation batch" if evaluating else "batch"
