@@ -15,6 +15,13 @@ sample and the rest, combined as the guard combines micro-batches
 (inference mode, one forward pass), and warns once, with both figures,
 where they differ. Parts that unequal make a loss over the whole batch
 show itself: on samples alike, halves can agree with the whole to 1e-5.
+
+The same forward passes tell what each loss a layer adds (`add_loss`, an
+activity regularizer) is: a mean over the batch (exact when weighted by
+the share of the samples), or a sum over its samples, as in Keras'
+`add_loss(ops.sum(x))` example and Keras 3.8's activity regularizers. A
+sum is marked (`compat.mark_summed_added_losses`) and counted whole in
+each micro-batch from then on, as a summed compiled loss is.
 """
 
 import gc
@@ -73,26 +80,53 @@ def parts_and_whole(model, data, size, exact_masks=True):
     ]
     try:
         y_pred = model(rows(x, 0, size), training=False)
+        added_whole = [_number(v) for v in model.losses]
+        # Losses the layers add from their inputs need each part's own
+        # forward pass; weight regularization alone does not.
+        regularized = sum(
+            getattr(v, "regularizer", None) is not None for v in model.trainable_weights
+        )
+        own_passes = len(added_whole) > regularized
 
-        def loss(start, stop):
+        def loss(start, stop, predicted):
             return compat.compute_loss(
                 model,
                 rows(x, start, stop),
                 rows(y, start, stop),
-                rows(y_pred, start, stop),
+                predicted,
                 rows(sample_weight, start, stop),
             )
 
-        whole = _number(loss(0, size))
+        whole = _number(loss(0, size, y_pred))
         parts = []
         for start, stop in ((0, 1), (1, size)):
             share = (stop - start) / size
+            if own_passes:
+                predicted = model(rows(x, start, stop), training=False)
+                added = [_number(v) for v in model.losses]
+            else:
+                predicted, added = rows(y_pred, start, stop), None
             with compat.scaling_summed_losses(1.0 / share), compat.recording_loss_masks() as masks:
-                value = _number(loss(start, stop))
-            parts.append((share, value, [tuple(_number(v) for v in pair) for pair in masks]))
+                value = _number(loss(start, stop, predicted))
+            parts.append((share, value, [tuple(_number(v) for v in pair) for pair in masks], added))
     finally:
         for variable, value in kept:
             variable.assign(value)
+    if own_passes:
+        summed = _summed_added_losses(added_whole, [(share, added) for share, _, _, added in parts])
+        compat.mark_summed_added_losses(model, summed)
+        # Counted whole from now on: the parts' values as the guard's
+        # micro-batches will give them.
+        parts = [
+            (
+                share,
+                value + sum((1.0 / share - 1.0) * a for a, s in zip(added, summed) if s),
+                masks,
+                added,
+            )
+            for share, value, masks, added in parts
+        ]
+    parts = [(share, value, masks) for share, value, masks, _ in parts]
     if not any(masks for _, _, masks in parts):
         return whole, sum(share * value for share, value, _ in parts)
     if (
@@ -109,6 +143,31 @@ def parts_and_whole(model, data, size, exact_masks=True):
         share * value * masks[0][0] / masks[0][1] for share, value, masks in parts if masks[0][1]
     )
     return whole, combined * total / valid
+
+
+def _close(a, b):
+    return abs(a - b) <= RELATIVE_TOLERANCE * max(abs(a), abs(b), 1e-12)
+
+
+def _summed_added_losses(whole, parts):
+    """Per added loss, whether it is a sum over samples (not a mean).
+
+    `whole`: each added loss's value on the whole; `parts`: `(share,
+    values)` per part. A mean over samples is the parts' share-weighted
+    values; a sum is their plain sum. A loss that is neither (or both, as a
+    weight's regularization is when zero), or lists that do not line up,
+    is left as a mean: the check of the whole loss says what is wrong.
+    """
+    if any(len(values) != len(whole) for _, values in parts):
+        return [False] * len(whole)
+    summed = []
+    for index, value in enumerate(whole):
+        mean = sum(share * values[index] for share, values in parts)
+        total = sum(values[index] for _, values in parts)
+        summed.append(
+            math.isfinite(value) and not _close(value, mean) and _close(value, total)
+        )
+    return summed
 
 
 def check_once(model, data, batch_size, micro_batches, values=None, exact_masks=True):
@@ -141,7 +200,7 @@ def check_once(model, data, batch_size, micro_batches, values=None, exact_masks=
         if values is None:
             found = parts_and_whole(model, data, size, exact_masks)
         else:
-            with keras.StatelessScope(state_mapping=values):
+            with keras.StatelessScope(state_mapping=values, collect_losses=True):
                 found = parts_and_whole(model, data, size, exact_masks)
     except Exception:  # noqa: BLE001 - a check, never a reason to stop training.
         return
@@ -155,7 +214,7 @@ def check_once(model, data, batch_size, micro_batches, values=None, exact_masks=
     whole, combined = found
     if not (math.isfinite(whole) and math.isfinite(combined)):
         return
-    if abs(whole - combined) <= RELATIVE_TOLERANCE * max(abs(whole), abs(combined), 1e-12):
+    if _close(whole, combined):
         return
     warn_at_user_code(
         f"The loss of model {model.name!r} is not what its micro-batches' "

@@ -126,3 +126,61 @@ def assert_summed_loss_evaluates_as_unsliced(use_slices):
     )
     for key in expected:
         np.testing.assert_allclose(sliced[key], expected[key], rtol=1e-5, err_msg=key)
+
+
+class SummedActivity(keras.layers.Layer):
+    """Keras' own `add_loss` example: a loss summed over the batch's samples."""
+
+    def call(self, inputs):
+        self.add_loss(1e-2 * keras.ops.sum(keras.ops.square(inputs)))
+        return inputs
+
+
+class MeanActivity(keras.layers.Layer):
+    """A loss added as a mean over the batch."""
+
+    def call(self, inputs):
+        self.add_loss(1e-1 * keras.ops.mean(keras.ops.square(inputs)))
+        return inputs
+
+
+def added_loss_model(jit_compile="auto"):
+    """An MLP whose layers add losses of every kind; SGD.
+
+    A summed `add_loss`, a mean one, Keras' activity regularizer (a sum
+    over samples in Keras 3.8, divided by the batch size in later
+    releases) and a kernel regularizer.
+    """
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((12,))
+    hidden = keras.layers.Dense(32, activation="relu", activity_regularizer="l2")(inputs)
+    hidden = MeanActivity()(SummedActivity()(hidden))
+    outputs = keras.layers.Dense(1, kernel_regularizer="l2")(hidden)
+    model = keras.Model(inputs, outputs)
+    model.compile("sgd", "mse", jit_compile=jit_compile)
+    return model
+
+
+def assert_added_losses_train_as_plain_fit(recwarn, make_guard, jit_compile="auto"):
+    """`added_loss_model` fitted under `make_guard()` (a split) equals plain `fit`.
+
+    Weights, each epoch's loss and `evaluate` afterwards; and nothing is
+    said about the losses.
+    """
+    x, y, _ = regression_data(n=128)
+    results = []
+    for callbacks in ([], [make_guard()]):
+        model = added_loss_model(jit_compile)
+        history = model.fit(
+            x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=callbacks
+        )
+        results.append(
+            (model.get_weights(), history.history["loss"], model.evaluate(x, y, verbose=0))
+        )
+    (want, want_losses, want_eval), (got, got_losses, got_eval) = results
+    np.testing.assert_allclose(got_losses, want_losses, rtol=2e-6)
+    np.testing.assert_allclose(got_eval, want_eval, rtol=2e-6)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=2e-6)
+    told = [str(w.message) for w in recwarn if "loss" in str(w.message)]
+    assert not told, told

@@ -18,6 +18,7 @@ import keras
 
 import keras_memguard
 from keras_memguard.backends.tensorflow.mixin import MemGuardMixin
+from split_cases import assert_added_losses_train_as_plain_fit
 
 VOCABULARY, TOKENS = 40, 12
 BATCH = 24
@@ -148,3 +149,24 @@ def test_every_reduction_trains_as_the_whole_batch_does(reduction, masked, jit_c
     np.testing.assert_allclose(losses, reference_losses, rtol=2e-6)
     for got, want in zip(weights, reference_weights):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    "jit_compile, plan",
+    [
+        (False, False),
+        pytest.param(True, False, marks=pytest.mark.slow),
+        pytest.param(True, True, marks=pytest.mark.slow),
+    ],
+)
+def test_losses_the_layers_add_train_as_plain_fit(recwarn, jit_compile, plan):
+    # Summed, mean and activity-regularizer losses and a kernel regularizer;
+    # with XLA the step is read (traced) before the check measures the
+    # losses, and traced again once a sum is marked.
+    assert_added_losses_train_as_plain_fit(
+        recwarn,
+        lambda: keras_memguard.MemoryGuard(
+            memory_limit=1 << 30, plan=plan, micro_batches=4
+        ),
+        jit_compile,
+    )

@@ -578,20 +578,25 @@ def recording_loss_masks():
 
 @contextlib.contextmanager
 def scaling_summed_losses(scale):
-    """Inside the block, a loss reduced by `"sum"` comes out times `scale`.
+    """Inside the block, a loss that sums over samples comes out times `scale`.
 
     Micro-batch losses are combined weighted by their share of the samples
     (the whole batch's mean is the shares' sum of the micro-batches' means),
     but a summed loss's whole-batch value is the plain sum of the
     micro-batches' sums. With `scale` the inverse of the micro-batch's
     share, its share-weighted value is its own sum, whatever else the loss
-    adds (mean-reduced terms, `model.losses`). Applied at trace time.
+    adds (mean-reduced terms, `model.losses`). Applied at trace time to a
+    loss reduced by `"sum"`, and to the entries of a model's `losses` that
+    `mark_summed_added_losses` marked (an `add_loss(ops.sum(...))`, Keras
+    3.8's activity regularizers).
 
     Args:
         scale: A scalar (a float or a tensor).
     """
     module = importlib.import_module("keras.src.losses.loss")
     original = _attribute(module, "reduce_values")
+    layer_class = keras.layers.Layer
+    original_losses = layer_class.__dict__["losses"]
 
     def reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
         loss = original(values, sample_weight, reduction)
@@ -599,11 +604,52 @@ def scaling_summed_losses(scale):
             loss = loss * keras.ops.cast(scale, loss.dtype)
         return loss
 
+    # The values already scaled, by id (and kept alive, so that no id is
+    # reused): Keras' JAX trainer reads `losses` once to collect them and
+    # once more from that collection, which must not scale them twice.
+    scaled = {}
+
+    def losses(self):
+        values = original_losses.fget(self)
+        summed = getattr(self, _SUMMED_ADDED_LOSSES_ATTR, None)
+        if not summed or len(summed) != len(values):
+            return values
+        result = []
+        for value, is_summed in zip(values, summed):
+            if is_summed and id(value) not in scaled:
+                value = value * keras.ops.cast(scale, value.dtype)
+                scaled[id(value)] = value
+            result.append(value)
+        return result
+
     module.reduce_values = reduce_values
+    layer_class.losses = property(losses, doc=original_losses.__doc__)
     try:
         yield
     finally:
         module.reduce_values = original
+        layer_class.losses = original_losses
+
+
+_SUMMED_ADDED_LOSSES_ATTR = "_memguard_summed_added_losses"
+
+
+def mark_summed_added_losses(model, summed):
+    """Records which entries of `model.losses` sum over the batch's samples.
+
+    `summed` has one flag per entry, in `model.losses`' order;
+    `scaling_summed_losses` scales the marked entries while the model's
+    `losses` has as many entries as flags (a layer that adds a loss only
+    now and then leaves them all unscaled); no flags, `()`, says they are
+    yet to be measured. Not saved with the model.
+    """
+    # object.__setattr__: a plain tuple, not tracked state.
+    object.__setattr__(model, _SUMMED_ADDED_LOSSES_ATTR, tuple(bool(s) for s in summed))
+
+
+def summed_added_losses(model):
+    """The flags `mark_summed_added_losses` recorded, or `None`."""
+    return getattr(model, _SUMMED_ADDED_LOSSES_ATTR, None)
 
 
 def override_build_and_make_function(model, to_build_batch, wrap_step):

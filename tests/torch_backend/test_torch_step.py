@@ -14,6 +14,7 @@ import torch
 import keras
 
 import keras_memguard
+from split_cases import assert_added_losses_train_as_plain_fit
 from split_cases import assert_reduction_trains_as_plain_fit
 
 from torch_models import USER_MODELS
@@ -181,4 +182,12 @@ def test_a_loss_reduced_otherwise_than_by_the_mean_trains_as_plain_fit(reduction
     # Summed, a micro-batch's loss used to count a third of itself (k=3).
     assert_reduction_trains_as_plain_fit(
         reduction, keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=3)
+    )
+
+
+def test_losses_the_layers_add_train_as_plain_fit(recwarn):
+    # A summed add_loss used to count a quarter of itself (k=4), silently.
+    assert_added_losses_train_as_plain_fit(
+        recwarn,
+        lambda: keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4),
     )

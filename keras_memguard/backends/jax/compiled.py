@@ -157,6 +157,15 @@ class StepCache:
         """The `(micro_batches, shape key)` pairs compiled so far."""
         return tuple(self._compiled)
 
+    def forget_programs(self):
+        """Forgets the compiled steps, keeping what each needs in memory.
+
+        After what the step computes changed at the same shapes (losses
+        marked to be counted whole): the next use traces again.
+        """
+        self._functions.clear()
+        self._compiled.clear()
+
     def clear(self):
         """Forgets every compiled step (after the model's variables change)."""
         self._functions.clear()

@@ -34,6 +34,7 @@ from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks import messages
 from keras_memguard.callbacks import oom_report
 from keras_memguard.errors import UnsupportedTrainingSetupError
+from keras_memguard.backends import compat
 from keras_memguard.backends import shared
 from keras_memguard.backends.jax.compiled import StepCache
 from keras_memguard.backends.jax.compiled import shape_key
@@ -183,12 +184,17 @@ class JaxTrainingRun:
             model.trainable_variables, model.non_trainable_variables,
             model.optimizer.variables, model.metrics_variables,
         )
+        marked = compat.summed_added_losses(model)
         split_loss.check_once(
             model, data, batch_size_of(data), k,
             values=[pair for group in zip(variables, state) for pair in zip(*group)],
             # JAX's step weighs a masked loss by the samples (not exact, documented).
             exact_masks=False,
         )
+        summed = compat.summed_added_losses(model)
+        if summed != marked and any(summed or ()):
+            # The steps compiled so far count those losses by their share.
+            self.cache.forget_programs()
         self.planned[key] = k
         self._set_count(k)
         return k

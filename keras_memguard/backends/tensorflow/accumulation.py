@@ -194,10 +194,15 @@ def _warn_input_dependent_losses(model, losses, inputs, micro_batches):
 
     A loss added in `call` that is a mean over the batch is combined
     exactly (weighted by each micro-batch's share); one that is a sum over
-    the batch's samples ends up about `1 / micro_batches` of its size.
-    Weight regularization does not depend on the inputs: always exact.
+    the batch's samples ends up about `1 / micro_batches` of its size,
+    unless the guard's check before its first split measured it and
+    marked it to be counted whole (`split_loss`): then nothing is said
+    here. Weight regularization does not depend on the inputs: always
+    exact.
     """
     if micro_batches < 2 or getattr(model, _INPUT_LOSS_WARNED_ATTR, False):
+        return
+    if compat.summed_added_losses(model) is not None:
         return
     if not tf.inside_function():
         return

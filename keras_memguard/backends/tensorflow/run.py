@@ -98,6 +98,10 @@ class TfTrainingRun:
         _check_model(model)
         self.multi_worker = multi_worker.is_multi_worker(model.distribute_strategy)
         self.xla = xla_memory.uses_xla(model) and not self.multi_worker
+        if not self.multi_worker and compat.summed_added_losses(model) is None:
+            # Losses the layers add are measured at the first split
+            # (`split_loss`), not guessed from a traced graph.
+            compat.mark_summed_added_losses(model, ())
         carrier = logs_carrier.current(model)
         if self.multi_worker and not session.started:
             if session.config.predictive and trains_with_own_step(model):

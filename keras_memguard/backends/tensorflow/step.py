@@ -447,6 +447,12 @@ def tracing_count(step):
     return None if count is None else count()
 
 
+def _summed_added_losses(model):
+    """The marked losses, where any is marked: what a trace counts whole."""
+    summed = compat.summed_added_losses(model)
+    return summed if summed and any(summed) else None
+
+
 def cached_function(model, key, build):
     """Returns the model's compiled function for `key`, building it once.
 
@@ -455,7 +461,9 @@ def cached_function(model, key, build):
     functions close over it, so a cache elsewhere would keep the model
     alive) and is kept across `fit` calls; it is dropped when the model is
     compiled again or its execution settings change, since a function
-    captures the optimizer, loss and metrics when traced.
+    captures the optimizer, loss and metrics when traced; and when the
+    guard marks losses the layers add as sums over samples
+    (`compat.mark_summed_added_losses`), which a trace reads too.
 
     Args:
         model: The Keras model.
@@ -472,10 +480,12 @@ def cached_function(model, key, build):
         compat.compiled_metrics(model),
         model.run_eagerly,
         model.jit_compile,
+        _summed_added_losses(model),
     )
     entry = model.__dict__.get(_CACHE_ATTR)
     if entry is None or any(
-        a is not b for a, b in zip(entry[0], compiled_with)
+        a is not b and not (type(a) is tuple and a == b)
+        for a, b in zip(entry[0], compiled_with)
     ):
         entry = (compiled_with, {})
         # Plain Python state, kept out of Keras' attribute tracking.
