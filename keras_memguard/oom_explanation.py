@@ -307,6 +307,36 @@ def layer_of_op(op_name, layer_names):
     return found
 
 
+def in_optimizer_update(op_name, optimizer):
+    """Whether a failed op belongs to the optimizer's update of the weights.
+
+    Keras runs the update in the optimizer's name scope (`adam/...`,
+    `loss_scale_optimizer/adam/...`), after the micro-batches' passes: it
+    works on whole weights and their slots, so no micro-batch count
+    shrinks it. Ops of the backward pass (`gradient_tape/...`) and of a
+    loop (`while/...`, the micro-batches) are not the update's.
+
+    Example:
+
+    >>> optimizer = keras.optimizers.Adam(name="adam")
+    >>> in_optimizer_update("adam/UnsortedSegmentSum_1", optimizer)
+    True
+    >>> in_optimizer_update("functional/dense/MatMul", optimizer)
+    False
+    """
+    if not op_name or optimizer is None:
+        return False
+    names = {getattr(optimizer, "name", None)}
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        names.add(getattr(inner, "name", None))
+    names.discard(None)
+    parts = op_name.split("/")[:-1]
+    if not parts or parts[0].startswith("gradient") or "while" in parts:
+        return False
+    return any(part in names or re.sub(r"_\d+$", "", part) in names for part in parts)
+
+
 def tensor_candidates(model, micro_batch_size, batch_size=None):
     """The tensors a failed micro-batch may hold, as `(bytes, layer, kind, shape)`.
 

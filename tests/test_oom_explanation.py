@@ -89,6 +89,31 @@ def test_layer_of_op_reads_keras_name_scopes():
     assert oom_explanation.layer_of_op(None, names) is None
 
 
+@pytest.mark.parametrize(
+    "op, expected",
+    [
+        ("{name}/UnsortedSegmentSum_1", True),
+        ("{name}_1/Sqrt", True),
+        ("loss_scale_optimizer/{name}/Mul_2", True),
+        ("StatefulPartitionedCall/{name}/AssignAddVariableOp", True),
+        ("functional_1/dense/MatMul", False),
+        ("gradient_tape/{name}/dense/MatMul", False),
+        ("while/{name}/Mul", False),
+        ("{name}", False),
+    ],
+)
+def test_an_op_of_the_optimizers_update_is_told_from_the_steps(op, expected):
+    # Keras names optimizers uniquely in a process ("adam", "adam_1", ...)
+    # and runs the update in that name's scope.
+    optimizer = keras.optimizers.Adam()
+    named = op.format(name=optimizer.name)
+    assert oom_explanation.in_optimizer_update(named, optimizer) is expected
+    wrapped = keras.optimizers.LossScaleOptimizer(optimizer)
+    assert oom_explanation.in_optimizer_update(named, wrapped) is expected
+    assert oom_explanation.in_optimizer_update(named, None) is False
+    assert oom_explanation.in_optimizer_update(None, optimizer) is False
+
+
 def test_live_chunks_are_named_by_the_layer_whose_tensor_has_their_size():
     model = make_model()
     wide = 128 * 64 * 64 * 96 * 4

@@ -117,6 +117,20 @@ def test_a_stateful_rnns_xla_step_that_cannot_fit_is_refused_before_it_runs():
     assert "Nothing ran" in result["error"], result
 
 
+def test_an_optimizer_update_that_cannot_fit_is_named_after_one_error():
+    # 70 MiB: Adam's update of a 60000x64 embedding does not fit beside the
+    # weights and slots (47 MiB) at any batch size, in plain `fit` too. The
+    # guard used to split on to 512 micro-batches (2 errors, 53 s) and then
+    # blame a single sample.
+    result = _run(70, "large_embedding", as_gpu=True)
+    assert result["batches"] == 0, result
+    assert result["error"].startswith(
+        "MicroBatchTooLargeError: The optimizer's update ran out of memory: `adam/"
+    ), result
+    assert "no micro-batch count shrinks it" in result["error"], result
+    assert result["oom_recoveries"] <= 1, result
+
+
 def test_kept_outputs_of_a_decoder_do_not_crash_a_new_count():
     # A metric of its own keeps the whole batch's logits (31 MiB here). The
     # buffer they went into was a constant TensorFlow folded when the step

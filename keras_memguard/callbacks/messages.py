@@ -266,6 +266,26 @@ def allocation_does_not_shrink(reason, batch_size, peak, limit):
     )
 
 
+def optimizer_update_too_large(op, allocation, shape, before, limit, accumulators):
+    """`MicroBatchTooLargeError`'s text when the optimizer's update ran out of memory."""
+    asked = _mib(allocation) + (f" {list(shape)}" if shape else "") if allocation else "memory"
+    held = (
+        f", and the accumulators {_mib(accumulators)} more (one per trainable weight)"
+        if accumulators
+        else ""
+    )
+    return (
+        f"The optimizer's update ran out of memory: `{op}` asked for {asked}, "
+        f"with {_mib(before)} in use before the batch (weights, optimizer "
+        f"state, inputs){held}, of the {_mib(limit)} limit. The update works on "
+        "whole weights after the micro-batches have run, so no micro-batch "
+        "count shrinks it; plain `fit` needs it at every batch size too. "
+        "HINT: an optimizer with less state (`SGD`, `Adafactor`), mixed "
+        "precision, fewer or smaller weights (a smaller `Embedding`, "
+        "`enable_lora` on large layers), or a device with more memory."
+    )
+
+
 def mib_text(value):
     """`value` bytes as "12.3 MiB", or "unknown" for `None`."""
     return f"{value / _MIB:.1f} MiB" if value else "unknown"

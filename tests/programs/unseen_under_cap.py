@@ -43,6 +43,12 @@ them on a GPU (`jit_compile="auto"`, XLA; with `off`, without),
 and `predict` at 32: the batches run whole, as in plain `fit`, or the
 guard says before a step runs that one cannot fit.
 
+`large_embedding`: a bag-of-words classifier whose `Embedding` holds
+60000 rows of 64 (14.6 MiB; Adam's slots twice that), `fit(batch_size=512)`
+under `MemoryGuard` where Adam's update of the embedding cannot fit beside
+the weights and slots at any batch size: the guard must say so after the
+first error, not split further.
+
 Training runs with a `MemoryMonitor` beside the guard. Reports through
 `emit_result`: the batches that ended, the counts, the peak usage the
 monitor logged for each batch, the out-of-memory recoveries, the loss, and the error raised, if any.
@@ -280,6 +286,21 @@ def stateful(xla):
     emit_result(result)
 
 
+def large_embedding():
+    """`large_embedding` of the module docstring."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,), dtype="int32")
+    hidden = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(60000, 64)(inputs))
+    hidden = keras.layers.Dense(256, activation="relu")(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(20)(hidden))
+    model.compile(
+        "adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False
+    )
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 60000, size=(2048, 64)).astype("int32")
+    return model, x, rng.integers(0, 20, 2048), 512
+
+
 def main():
     name, options = sys.argv[1], sys.argv[2:]
     if name == "stateful":
@@ -295,6 +316,8 @@ def main():
         model, x, y, batch = decoder([SampleCount()] if "metric" in options else None)
     elif name == "xla_mlp":
         model, x, y, batch = xla_mlp()
+    elif name == "large_embedding":
+        model, x, y, batch = large_embedding()
     else:
         model, x, y, batch = xla_cnn()
     ks = MicroBatchCounts()

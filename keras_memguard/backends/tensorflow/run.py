@@ -575,8 +575,14 @@ class TfTrainingRun:
         decided = session.controller.fail(failure)
         if self.xla:
             self._stop_compiled(explanation, error)
+        # The update of whole weights: only the accumulators, if any, can
+        # make room for it (`mode="auto"`).
+        in_update = oom_explanation.in_optimizer_update(
+            explanation.failed_op, getattr(self.model, "optimizer", None)
+        )
         if (
-            decided.cannot_split == decider.CANNOT_SPLIT_BATCH_SIZE
+            not in_update
+            and decided.cannot_split == decider.CANNOT_SPLIT_BATCH_SIZE
             and session.options.escalate
             and self._climb(
                 f"batch {batch_size} ran out of memory at one sample per micro-batch"
@@ -592,6 +598,7 @@ class TfTrainingRun:
                 decided.cannot_split
                 in (decider.CANNOT_SPLIT_BATCH_SIZE, decider.CANNOT_SPLIT_ALLOCATION)
                 or not self._accumulation_fits(self._before)
+                or in_update
             )
             and self._may_stop_accumulating()
             and self._stop_accumulating(
@@ -612,6 +619,19 @@ class TfTrainingRun:
             self.apply(new_k)
             session.save_state()
             return new_k
+        if in_update:
+            oom_report.report(session, explanation)
+            raise MicroBatchTooLargeError(
+                messages.optimizer_update_too_large(
+                    explanation.failed_op,
+                    explanation.failed_allocation_bytes,
+                    explanation.failed_shape,
+                    self._before,
+                    session.controller.limit_bytes,
+                    gradient_bytes(self.model) if function.mode == "accumulate" else 0,
+                ),
+                limit_bytes=session.controller.limit_bytes,
+            ) from error
         if decided.cannot_split:
             oom_report.report(session, explanation)
             raise oom_report.cannot_split_error(
