@@ -184,3 +184,40 @@ def assert_added_losses_train_as_plain_fit(recwarn, make_guard, jit_compile="aut
         np.testing.assert_allclose(g, w, rtol=0, atol=2e-6)
     told = [str(w.message) for w in recwarn if "loss" in str(w.message)]
     assert not told, told
+
+
+def batch_std(y_true, y_pred):
+    """A metric function of the user's: a statistic of the whole batch."""
+    return keras.ops.std(y_pred)
+
+
+def mean_absolute(y_true, y_pred):
+    """A metric function of the user's, reduced to one value per batch."""
+    return keras.ops.mean(keras.ops.abs(y_true - y_pred))
+
+
+def assert_metric_functions_read_as_plain_fit(make_guard):
+    """Metric functions of the user's report under `make_guard()` what plain `fit` does.
+
+    Keras counts one value per update of such a function's wrapper: split
+    into micro-batches (the last batch of 2 samples into 2), they averaged
+    other values with other weights. Keras' own metrics beside them too.
+    """
+    x, y, _ = regression_data(n=130)
+    logs = []
+    for callbacks in ([], [make_guard()]):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((12,))
+        hidden = keras.layers.Dense(16, activation="relu")(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+        model.compile(
+            "sgd", "mse",
+            metrics=[batch_std, mean_absolute, "mae", keras.metrics.R2Score()],
+        )
+        history = model.fit(
+            x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=callbacks
+        )
+        logs.append(history.history)
+    want, got = logs
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)

@@ -45,9 +45,32 @@ def test_every_private_name_resolves_on_this_version(owner, name):
         target = _compiled_model()  # Set by `__init__`/`compile`.
     if owner == "keras.optimizers.Optimizer":
         target = keras.optimizers.SGD(0.1)
+    if owner == "keras.metrics.MeanMetricWrapper":  # set by `__init__`
+        target = keras.metrics.MeanMetricWrapper(keras.metrics.mean_absolute_error)
     if owner == "tensorflow.python.eager.context.Context":
         target = _owner("tensorflow.python.eager.context").context()  # an instance's
     assert hasattr(target, name), f"{owner}.{name} (Keras {keras.__version__})"
+
+
+def test_only_metrics_that_accumulate_per_sample_are_updated_per_micro_batch():
+    def own(y_true, y_pred):
+        return keras.ops.mean(y_pred)
+
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2, activation="softmax")(inputs))
+    keras_own = [
+        "mae", "mse", "accuracy", "categorical_accuracy", keras.metrics.AUC(),
+        keras.metrics.R2Score(),
+        keras.metrics.TopKCategoricalAccuracy(1), keras.metrics.CosineSimilarity(),
+    ]
+    model.compile("sgd", "categorical_crossentropy", metrics=keras_own + [own, keras.losses.Huber()])
+    compat.symbolic_build(model, (tf.zeros((4, 3)), tf.zeros((4, 2))))
+    told = {
+        m.name: compat.metric_accumulates_per_sample(m)
+        for m in compat.compiled_metrics(model).metrics
+    }
+    assert told.pop("own") is False and told.pop("huber_loss") is False, told
+    assert all(told.values()) and len(told) == len(keras_own), told
 
 
 def test_compat_helpers_work_on_a_compiled_model():

@@ -61,6 +61,7 @@ PRIVATE_NAMES = (
     ("keras.Model", "_compile_loss"),
     ("keras.Model", "_compile_metrics"),
     ("keras.Model", "_call_has_training_arg"),
+    ("keras.metrics.MeanMetricWrapper", "_fn"),
     ("keras.optimizers.Optimizer", "_learning_rate"),
     ("CollectiveAllReduceExtended", "_in_multi_worker_mode"),
     # Optional: Keras 3.9+ only; `autoconvert_optionals` falls back.
@@ -332,6 +333,30 @@ def compiled_loss(model):
 def compiled_metrics(model):
     """The model's `CompileMetrics`, or `None` without compiled metrics."""
     return getattr(model, "_compile_metrics", None)
+
+
+def metric_accumulates_per_sample(metric):
+    """Whether updating `metric` micro-batch by micro-batch gives the whole batch's value.
+
+    Keras' own metrics accumulate over samples (a sum and a count, a
+    confusion matrix), so they do. A function compiled as a metric is
+    wrapped in `MeanMetricWrapper`: it does only where the function is one
+    of Keras' own, which give one value per sample. A function of the
+    user's, or a loss object, may reduce over the batch (`ops.mean`, a
+    correlation over the batch axis): the wrapper then counts one value
+    per update, so per micro-batch it averages other values, with other
+    weights, than once per batch.
+    """
+    if not type(metric).__module__.startswith("keras."):
+        return False
+    if isinstance(metric, keras.metrics.MeanMetricWrapper):
+        function = getattr(metric, "_fn", None)
+        return (
+            function is not None
+            and not isinstance(function, keras.losses.Loss)
+            and getattr(function, "__module__", "").startswith("keras.")
+        )
+    return True
 
 
 def call_has_training_arg(model):

@@ -13,6 +13,7 @@ import keras
 
 import keras_memguard
 from split_cases import assert_added_losses_train_as_plain_fit
+from split_cases import assert_metric_functions_read_as_plain_fit
 from split_cases import assert_reduction_trains_as_plain_fit
 
 from jax_models import USER_MODELS
@@ -96,4 +97,10 @@ def test_losses_the_layers_add_train_as_plain_fit(recwarn):
     assert_added_losses_train_as_plain_fit(
         recwarn,
         lambda: keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4),
+    )
+
+
+def test_metric_functions_of_the_users_read_as_in_plain_fit():
+    assert_metric_functions_read_as_plain_fit(
+        lambda: keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
     )

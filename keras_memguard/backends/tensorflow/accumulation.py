@@ -172,9 +172,10 @@ def metrics_read_whole_batch_outputs(model):
 def metrics_update_per_micro_batch(model):
     """Tells whether the compiled metrics can be updated micro-batch by micro-batch.
 
-    True when every compiled metric is one of Keras' own (they accumulate
-    over samples, so updating them per micro-batch gives the whole batch's
-    result without keeping its outputs), `compute_metrics` is Keras' own,
+    True when every compiled metric is one of Keras' own that accumulate
+    over samples (`compat.metric_accumulates_per_sample`: updating them per
+    micro-batch gives the whole batch's result without keeping its
+    outputs), `compute_metrics` is Keras' own,
     and one replica trains. Other metrics see the whole batch's outputs.
     """
     metrics = compat.compiled_metrics(model)
@@ -186,7 +187,7 @@ def metrics_update_per_micro_batch(model):
     if context is not None and context.num_replicas_in_sync > 1:
         return False
     inner = getattr(metrics, "metrics", None) or []
-    return all(type(m).__module__.startswith("keras.") for m in inner)
+    return all(compat.metric_accumulates_per_sample(m) for m in inner)
 
 
 def _warn_input_dependent_losses(model, losses, inputs, micro_batches):

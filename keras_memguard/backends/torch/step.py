@@ -148,9 +148,10 @@ def forward(model, x):
 def metrics_update_per_micro_batch(model):
     """Tells whether the compiled metrics can be updated micro-batch by micro-batch.
 
-    True when every compiled metric is one of Keras' own (they accumulate
-    over samples, so updating them per micro-batch gives the whole batch's
-    result without keeping its outputs) and `compute_metrics` is Keras'
+    True when every compiled metric is one of Keras' own that accumulate
+    over samples (`compat.metric_accumulates_per_sample`: updating them per
+    micro-batch gives the whole batch's result without keeping its
+    outputs) and `compute_metrics` is Keras'
     own. Other metrics see the whole batch's outputs, once.
 
     Args:
@@ -165,7 +166,7 @@ def metrics_update_per_micro_batch(model):
     if type(model).compute_metrics is not keras.Model.compute_metrics:
         return False
     inner = getattr(metrics, "metrics", None) or []
-    return all(type(m).__module__.startswith("keras.") for m in inner)
+    return all(compat.metric_accumulates_per_sample(m) for m in inner)
 
 
 def metrics_read_whole_batch_outputs(model):
