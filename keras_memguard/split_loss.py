@@ -43,6 +43,15 @@ def _number(value):
     return float(keras.ops.convert_to_numpy(value))
 
 
+def _added_values(model):
+    """Each of `model.losses` as one number, summed as Keras sums it.
+
+    Keras adds an added loss of several values (an `add_loss` of one loss
+    per sample, keras.io's CTC layer) as their sum.
+    """
+    return [_number(keras.ops.sum(value)) for value in model.losses]
+
+
 def parts_and_whole(model, data, size, exact_masks=True):
     """`(whole, parts)`: the loss of the first `size` samples, and its parts' combination.
 
@@ -80,7 +89,7 @@ def parts_and_whole(model, data, size, exact_masks=True):
     ]
     try:
         y_pred = model(rows(x, 0, size), training=False)
-        added_whole = [_number(v) for v in model.losses]
+        added_whole = _added_values(model)
         # Losses the layers add from their inputs need each part's own
         # forward pass; weight regularization alone does not.
         regularized = sum(
@@ -103,7 +112,7 @@ def parts_and_whole(model, data, size, exact_masks=True):
             share = (stop - start) / size
             if own_passes:
                 predicted = model(rows(x, start, stop), training=False)
-                added = [_number(v) for v in model.losses]
+                added = _added_values(model)
             else:
                 predicted, added = rows(y_pred, start, stop), None
             with compat.scaling_summed_losses(1.0 / share), compat.recording_loss_masks() as masks:

@@ -136,6 +136,14 @@ class SummedActivity(keras.layers.Layer):
         return inputs
 
 
+class PerSampleActivity(keras.layers.Layer):
+    """keras.io's CTC layer's way: one added loss per sample, which Keras sums."""
+
+    def call(self, inputs):
+        self.add_loss(1e-2 * keras.ops.sum(keras.ops.square(inputs), axis=-1, keepdims=True))
+        return inputs
+
+
 class MeanActivity(keras.layers.Layer):
     """A loss added as a mean over the batch."""
 
@@ -147,14 +155,15 @@ class MeanActivity(keras.layers.Layer):
 def added_loss_model(jit_compile="auto"):
     """An MLP whose layers add losses of every kind; SGD.
 
-    A summed `add_loss`, a mean one, Keras' activity regularizer (a sum
+    A summed `add_loss`, one of a loss per sample (keras.io's CTC layer
+    adds its per-sample losses so), a mean one, Keras' activity regularizer (a sum
     over samples in Keras 3.8, divided by the batch size in later
     releases) and a kernel regularizer.
     """
     keras.utils.set_random_seed(0)
     inputs = keras.Input((12,))
     hidden = keras.layers.Dense(32, activation="relu", activity_regularizer="l2")(inputs)
-    hidden = MeanActivity()(SummedActivity()(hidden))
+    hidden = MeanActivity()(PerSampleActivity()(SummedActivity()(hidden)))
     outputs = keras.layers.Dense(1, kernel_regularizer="l2")(hidden)
     model = keras.Model(inputs, outputs)
     model.compile("sgd", "mse", jit_compile=jit_compile)
