@@ -575,10 +575,16 @@ class TfTrainingRun:
         decided = session.controller.fail(failure)
         if self.xla:
             self._stop_compiled(explanation, error)
-        # The update of whole weights: only the accumulators, if any, can
-        # make room for it (`mode="auto"`).
-        in_update = oom_explanation.in_optimizer_update(
-            explanation.failed_op, getattr(self.model, "optimizer", None)
+        # The update of whole weights, after the micro-batch loop: only the
+        # accumulators can make room for it (`mode="auto"`). Unsplit, Keras'
+        # step may update some weights while the backward pass still holds
+        # activations, which a split does shrink.
+        in_update = (
+            micro_batches > 1
+            and function.mode == "accumulate"
+            and oom_explanation.in_optimizer_update(
+                explanation.failed_op, getattr(self.model, "optimizer", None)
+            )
         )
         if (
             not in_update
