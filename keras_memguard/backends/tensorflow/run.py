@@ -579,15 +579,14 @@ class TfTrainingRun:
         # accumulators can make room for it (`mode="auto"`). Unsplit, Keras'
         # step may update some weights while the backward pass still holds
         # activations, which a split does shrink.
-        in_update = (
-            micro_batches > 1
-            and function.mode == "accumulate"
-            and oom_explanation.in_optimizer_update(
-                explanation.failed_op, getattr(self.model, "optimizer", None)
-            )
+        # Where the update failed and one sample per micro-batch cannot
+        # help, the error names the update, not a sample.
+        update_op = oom_explanation.in_optimizer_update(
+            explanation.failed_op, getattr(self.model, "optimizer", None)
         )
+        in_update = update_op and micro_batches > 1 and function.mode == "accumulate"
         if (
-            not in_update
+            not update_op
             and decided.cannot_split == decider.CANNOT_SPLIT_BATCH_SIZE
             and session.options.escalate
             and self._climb(
@@ -625,7 +624,7 @@ class TfTrainingRun:
             self.apply(new_k)
             session.save_state()
             return new_k
-        if in_update:
+        if in_update or (update_op and decided.cannot_split):
             oom_report.report(session, explanation)
             raise MicroBatchTooLargeError(
                 messages.optimizer_update_too_large(
