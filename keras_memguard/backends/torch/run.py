@@ -219,7 +219,9 @@ class TorchTrainingRun:
             k = session.micro_batches
         else:
             k = session.controller.plan(batch_size, self._sample_size, self._before)
-        split_loss.check_once(self.model, data, batch_size, k)
+        # No autograd graph: the check's forward passes keep no activations.
+        with torch.no_grad():
+            split_loss.check_once(self.model, data, batch_size, k)
         return k
 
     def _on_out_of_memory(self, failure):
