@@ -7,6 +7,15 @@ needs Keras and numpy, nothing of a backend.
 import keras
 import numpy as np
 
+import keras_memguard
+
+
+def fixed_split(micro_batches=4):
+    """A `MemoryGuard` that splits every batch in `micro_batches`, unplanned."""
+    return keras_memguard.MemoryGuard(
+        memory_limit=1 << 30, plan=False, micro_batches=micro_batches
+    )
+
 
 class PerSampleLoss(keras.Model):
     """A `compute_loss` of its own that is a mean over samples."""
@@ -170,7 +179,7 @@ def added_loss_model(jit_compile="auto"):
     return model
 
 
-def assert_added_losses_train_as_plain_fit(recwarn, make_guard, jit_compile="auto"):
+def assert_added_losses_train_as_plain_fit(recwarn, make_guard=fixed_split, jit_compile="auto"):
     """`added_loss_model` fitted under `make_guard()` (a split) equals plain `fit`.
 
     Weights, each epoch's loss and `evaluate` afterwards; and nothing is
@@ -205,7 +214,7 @@ def mean_absolute(y_true, y_pred):
     return keras.ops.mean(keras.ops.abs(y_true - y_pred))
 
 
-def assert_metric_functions_read_as_plain_fit(make_guard):
+def assert_metric_functions_read_as_plain_fit(make_guard=fixed_split):
     """Metric functions of the user's report under `make_guard()` what plain `fit` does.
 
     Keras counts one value per update of such a function's wrapper: split

