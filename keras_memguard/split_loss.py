@@ -12,8 +12,8 @@ fewer samples per micro-batch and trains another objective, with no error
 to show it. Before the first split, `check_once` computes the loss of one
 micro-batch's worth of samples whole and from two parts, its first
 sample and the rest, combined as the guard combines micro-batches
-(inference mode, one forward pass), and warns once, with both figures,
-where they differ. Parts that unequal make a loss over the whole batch
+(inference mode, one forward pass of the samples), and warns once, with
+both figures, where they differ. Parts that unequal make a loss over the whole batch
 show itself: on samples alike, halves can agree with the whole to 1e-5.
 
 The same forward passes tell what each loss a layer adds (`add_loss`, an
@@ -56,11 +56,13 @@ def parts_and_whole(model, data, size, exact_masks=True):
     """`(whole, parts)`: the loss of the first `size` samples, and its parts' combination.
 
     The parts are the first sample and the other `size - 1`. Both from one
-    forward pass in inference mode; the parts combined as the guard
-    combines micro-batches (by their share of the samples, a
-    summed loss counted whole, one masked loss by the unmasked elements'
-    share). The model's metric variables and random seed states are put
-    back afterwards, so the check leaves training as it found it.
+    forward pass in inference mode (and, where layers add losses from
+    their inputs, one pass of each part, which also marks the added losses
+    that sum over samples); the parts combined as the guard combines
+    micro-batches (by their share of the samples, a summed loss counted
+    whole, one masked loss by the unmasked elements' share). The model's
+    metric variables and random seed states are put back afterwards, so
+    the check leaves training as it found it.
 
     Args:
         model: A compiled Keras model, its variables readable.
