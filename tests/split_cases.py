@@ -239,3 +239,16 @@ def assert_metric_functions_read_as_plain_fit(make_guard=fixed_split):
     want, got = logs
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+
+
+# Tests the JAX and PyTorch test modules import as they are (pytest
+# collects them there; this module's name is not a test file's).
+
+
+def test_losses_the_layers_add_train_as_plain_fit(recwarn):
+    # A summed add_loss used to count a quarter of itself (k=4), silently.
+    assert_added_losses_train_as_plain_fit(recwarn)
+
+
+def test_metric_functions_of_the_users_read_as_in_plain_fit():
+    assert_metric_functions_read_as_plain_fit()

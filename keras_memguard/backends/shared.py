@@ -4,12 +4,16 @@ How a batch is cut into micro-batches, and the counts a replay gets where
 no memory figure is known (`MemGuardMixin` trained without `MemoryGuard`),
 which come from the decider: one replay policy for every backend. Also the
 check of what an `on_out_of_memory` handler returns, the memory in use read
-from a probe's samples, and the swap of a model's test or predict function
-for a guarded `evaluate` or `predict`.
+from a probe's samples, the swap of a model's test or predict function
+for a guarded `evaluate` or `predict`, and which metrics a micro-batched
+step updates per micro-batch (TensorFlow's step too).
 """
+
+import keras
 
 from keras_memguard import decider
 from keras_memguard import step_functions
+from keras_memguard.backends import compat
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.errors import MicroBatchTooLargeError
 
@@ -209,3 +213,44 @@ def restore_inference_function(model, kind, previous):
         step_functions.set_test_function(model, previous)
     else:
         step_functions.set_predict_function(model, previous)
+
+
+def metrics_update_per_micro_batch(model):
+    """Tells whether the compiled metrics can be updated micro-batch by micro-batch.
+
+    True when every compiled metric is one of Keras' own that accumulate
+    over samples (`compat.metric_accumulates_per_sample`: updating them per
+    micro-batch gives the whole batch's result without keeping its
+    outputs) and `compute_metrics` is Keras' own. Other metrics see the
+    whole batch's outputs, once.
+
+    Args:
+        model: A compiled Keras model.
+
+    Returns:
+        A bool.
+    """
+    metrics = compat.compiled_metrics(model)
+    if metrics is None:
+        return False
+    if type(model).compute_metrics is not keras.Model.compute_metrics:
+        return False
+    inner = getattr(metrics, "metrics", None) or []
+    return all(compat.metric_accumulates_per_sample(m) for m in inner)
+
+
+def metrics_read_whole_batch_outputs(model, update_per_micro_batch=metrics_update_per_micro_batch):
+    """Tells whether the step must keep the whole batch's outputs.
+
+    False when `compute_metrics` is Keras' own and there are no compiled
+    metrics (nothing reads the outputs), or they are updated micro-batch by
+    micro-batch (`update_per_micro_batch(model)`, a backend's rule, by
+    default `metrics_update_per_micro_batch`). Keeping the outputs costs the
+    whole batch's outputs whatever the micro-batch count: on a language
+    model the logits are the largest tensor of the step.
+    """
+    if type(model).compute_metrics is not keras.Model.compute_metrics:
+        return True
+    if compat.compiled_metrics(model) is None:
+        return False
+    return not update_per_micro_batch(model)

@@ -14,8 +14,9 @@ import torch
 import keras
 
 import keras_memguard
-from split_cases import assert_added_losses_train_as_plain_fit
-from split_cases import assert_metric_functions_read_as_plain_fit
+from split_cases import fixed_split
+from split_cases import test_losses_the_layers_add_train_as_plain_fit  # noqa: F401
+from split_cases import test_metric_functions_of_the_users_read_as_in_plain_fit  # noqa: F401
 from split_cases import assert_reduction_trains_as_plain_fit
 
 from torch_models import USER_MODELS
@@ -181,15 +182,4 @@ REDUCTIONS = ("sum", "mean_with_sample_weight")
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_a_loss_reduced_otherwise_than_by_the_mean_trains_as_plain_fit(reduction):
     # Summed, a micro-batch's loss used to count a third of itself (k=3).
-    assert_reduction_trains_as_plain_fit(
-        reduction, keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=3)
-    )
-
-
-def test_losses_the_layers_add_train_as_plain_fit(recwarn):
-    # A summed add_loss used to count a quarter of itself (k=4), silently.
-    assert_added_losses_train_as_plain_fit(recwarn)
-
-
-def test_metric_functions_of_the_users_read_as_in_plain_fit():
-    assert_metric_functions_read_as_plain_fit()
+    assert_reduction_trains_as_plain_fit(reduction, fixed_split(3))

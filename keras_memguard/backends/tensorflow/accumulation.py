@@ -34,6 +34,7 @@ import keras
 import tensorflow as tf
 
 from keras_memguard.backends import compat
+from keras_memguard.backends import shared
 from keras_memguard.backends.tensorflow import remat
 from keras_memguard.backends.tensorflow.splitting import first_tensor
 from keras_memguard.backends.tensorflow.splitting import leading_size
@@ -155,39 +156,22 @@ def forward(model, x):
 def metrics_read_whole_batch_outputs(model):
     """Tells whether the step's metrics need the whole batch's outputs.
 
-    False when `compute_metrics` is Keras' own and there are no compiled
-    metrics (nothing reads the outputs) or every compiled metric can be
-    updated micro-batch by micro-batch (`metrics_update_per_micro_batch`).
-    Keeping the outputs costs the whole batch's outputs whatever the
-    micro-batch count: on a language model the logits are the largest
-    tensor of the step.
+    `shared.metrics_read_whole_batch_outputs` with this backend's
+    `metrics_update_per_micro_batch`.
     """
-    if type(model).compute_metrics is not keras.Model.compute_metrics:
-        return True
-    if compat.compiled_metrics(model) is None:
-        return False
-    return not metrics_update_per_micro_batch(model)
+    return shared.metrics_read_whole_batch_outputs(model, metrics_update_per_micro_batch)
 
 
 def metrics_update_per_micro_batch(model):
     """Tells whether the compiled metrics can be updated micro-batch by micro-batch.
 
-    True when every compiled metric is one of Keras' own that accumulate
-    over samples (`compat.metric_accumulates_per_sample`: updating them per
-    micro-batch gives the whole batch's result without keeping its
-    outputs), `compute_metrics` is Keras' own,
-    and one replica trains. Other metrics see the whole batch's outputs.
+    `shared.metrics_update_per_micro_batch`, where one replica trains (the
+    replicas' metrics are updated from the whole batch's outputs).
     """
-    metrics = compat.compiled_metrics(model)
-    if metrics is None:
-        return False
-    if type(model).compute_metrics is not keras.Model.compute_metrics:
+    if not shared.metrics_update_per_micro_batch(model):
         return False
     context = tf.distribute.get_replica_context()
-    if context is not None and context.num_replicas_in_sync > 1:
-        return False
-    inner = getattr(metrics, "metrics", None) or []
-    return all(compat.metric_accumulates_per_sample(m) for m in inner)
+    return context is None or context.num_replicas_in_sync <= 1
 
 
 def _warn_input_dependent_losses(model, losses, inputs, micro_batches):

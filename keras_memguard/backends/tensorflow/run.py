@@ -575,12 +575,12 @@ class TfTrainingRun:
         decided = session.controller.fail(failure)
         if self.xla:
             self._stop_compiled(explanation, error)
-        # The update of whole weights, after the micro-batch loop: only the
-        # accumulators can make room for it (`mode="auto"`). Unsplit, Keras'
-        # step may update some weights while the backward pass still holds
-        # activations, which a split does shrink.
-        # Where the update failed and one sample per micro-batch cannot
-        # help, the error names the update, not a sample.
+        # The optimizer's update works on whole weights. After a split,
+        # accumulating step's loop only the accumulators can make room for
+        # it (`mode="auto"`); unsplit, Keras' step may update some weights
+        # while the backward pass still holds activations, which a split
+        # shrinks. Where one sample per micro-batch still fails there, the
+        # error names the update, not a sample.
         update_op = oom_explanation.in_optimizer_update(
             explanation.failed_op, getattr(self.model, "optimizer", None)
         )

@@ -448,7 +448,11 @@ def tracing_count(step):
 
 
 def _summed_added_losses(model):
-    """The marked losses, where any is marked: what a trace counts whole."""
+    """The marked losses, where any is marked: what a trace counts whole.
+
+    The model's own tuple (marked once), so the cache compares it by
+    identity as the rest.
+    """
     summed = compat.summed_added_losses(model)
     return summed if summed and any(summed) else None
 
@@ -484,8 +488,7 @@ def cached_function(model, key, build):
     )
     entry = model.__dict__.get(_CACHE_ATTR)
     if entry is None or any(
-        a is not b and not (type(a) is tuple and a == b)
-        for a, b in zip(entry[0], compiled_with)
+        a is not b for a, b in zip(entry[0], compiled_with)
     ):
         entry = (compiled_with, {})
         # Plain Python state, kept out of Keras' attribute tracking.

@@ -39,6 +39,8 @@ import keras
 import torch
 
 from keras_memguard.backends import compat
+from keras_memguard.backends.shared import metrics_read_whole_batch_outputs
+from keras_memguard.backends.shared import metrics_update_per_micro_batch
 from keras_memguard.backends.shared import micro_batch_segments
 from keras_memguard.decider import validate_micro_batches
 
@@ -143,44 +145,6 @@ def forward(model, x):
     if compat.call_has_training_arg(model):
         return model(x, training=True)
     return model(x)
-
-
-def metrics_update_per_micro_batch(model):
-    """Tells whether the compiled metrics can be updated micro-batch by micro-batch.
-
-    True when every compiled metric is one of Keras' own that accumulate
-    over samples (`compat.metric_accumulates_per_sample`: updating them per
-    micro-batch gives the whole batch's result without keeping its
-    outputs) and `compute_metrics` is Keras'
-    own. Other metrics see the whole batch's outputs, once.
-
-    Args:
-        model: A compiled Keras model.
-
-    Returns:
-        A bool.
-    """
-    metrics = compat.compiled_metrics(model)
-    if metrics is None:
-        return False
-    if type(model).compute_metrics is not keras.Model.compute_metrics:
-        return False
-    inner = getattr(metrics, "metrics", None) or []
-    return all(compat.metric_accumulates_per_sample(m) for m in inner)
-
-
-def metrics_read_whole_batch_outputs(model):
-    """Tells whether the step must keep the whole batch's outputs.
-
-    False when `compute_metrics` is Keras' own and there are no compiled
-    metrics (nothing reads the outputs), or they are updated micro-batch by
-    micro-batch (`metrics_update_per_micro_batch`).
-    """
-    if type(model).compute_metrics is not keras.Model.compute_metrics:
-        return True
-    if compat.compiled_metrics(model) is None:
-        return False
-    return not metrics_update_per_micro_batch(model)
 
 
 class StepProgress:
