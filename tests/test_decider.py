@@ -75,6 +75,37 @@ def test_first_batch_is_split_cautiously_then_grows_to_the_target():
     assert all(k != "oom" and k >= 3 for k in ks), ks
 
 
+@pytest.mark.parametrize(
+    "first_split, limit, expected",
+    [
+        (None, LIMIT, 1),  # room for its layer outputs 32 times over
+        (4, LIMIT, 4),  # a split the user chose
+        (None, 100 * MIB, decider.CAUTIOUS_FIRST_SPLIT),  # room for 15 times
+    ],
+)
+def test_a_first_batch_runs_whole_only_where_its_layer_outputs_leave_room_many_times(
+    first_split, limit, expected
+):
+    config = decider.make_config(first_split=first_split)
+    # 64 samples of 64 KiB of layer outputs, 4 MiB, beside 10 MiB in use
+    # and 20 MiB of gradients.
+    state = decider.init(config, fixed_bytes=20 * MIB, sample_bytes=64 * 1024)
+    decided, _ = decider.plan(config, state, Batch(64, 1.0, 10 * MIB, limit))
+    assert decided.micro_batches == expected
+    assert decided.reason == (decider.FIRST_WHOLE if expected == 1 else decider.FIRST_SPLIT)
+
+
+@pytest.mark.parametrize("batch_size, probed", [(64, False), (100, True)])
+def test_a_whole_batch_is_split_to_measure_only_past_half_the_target(batch_size, probed):
+    # 64 samples peak at 222 MiB, under half the 540 MiB target: nothing
+    # to learn that these batches need. 100 peak at 330 MiB: one batch at 2
+    # tells the step's fixed part from its samples'.
+    config = decider.make_config()
+    state = decider.init(config, fixed_bytes=20 * MIB, sample_bytes=64 * 1024)
+    ks, _ = run(config, state, batch_size, in_use=10 * MIB)
+    assert ks == [1, 2 if probed else 1] + [1] * 6
+
+
 @pytest.mark.parametrize("in_use", [10 * MIB, 200 * MIB, 400 * MIB])
 def test_planning_again_from_the_state_a_plan_returned_gives_the_same_count(in_use):
     config = decider.make_config()
@@ -346,7 +377,7 @@ def test_evaluation_slices_halve_and_keep_trainings_count():
     state = decider.init(config)
     decided, state = decider.fail_evaluation(config, state, 64, 1)
     assert decided.micro_batches == 2 and state.eval_oom_count == 1
-    assert state.micro_batches == config.first_split and state.oom_count == 0
+    assert state.micro_batches == decider.CAUTIOUS_FIRST_SPLIT and state.oom_count == 0
     decided, _ = decider.fail_evaluation(config, state, 2, 2)
     assert decided.cannot_split == decider.CANNOT_SPLIT_BATCH_SIZE
 

@@ -19,7 +19,9 @@ with duplicate rows added together: Keras' optimizers apply element-wise ops
 to `IndexedSlices` row by row (Adam squares each row), so a row that appears
 twice would be updated differently from the dense gradient. The reference
 is the whole batch's dense gradient, which is what Keras'
-`gradient_accumulation_steps` accumulates.
+`gradient_accumulation_steps` accumulates. A step of one micro-batch sums
+nothing: its sparse gradients reach the optimizer as Keras made them, one
+row per lookup, so a step the guard does not split updates as plain `fit`.
 
 Nothing here changes a variable except the forward pass itself
 (BatchNormalization moving statistics, seed generators): the caller runs the
@@ -469,7 +471,9 @@ def accumulate_gradients(
     # Keras' own loss is scaled down by the replica count (its gradients
     # are summed over replicas); a loss of the user's is not.
     unscale = compute_loss is None and loss_fn is None
-    engine = _Engine(model, variables, compute, update_metrics, unscale)
+    engine = _Engine(
+        model, variables, compute, update_metrics, unscale, whole=micro_batches == 1
+    )
     carry, y_pred, batch_size = run_micro_batches(
         data,
         micro_batches,
@@ -489,8 +493,11 @@ class _Engine:
     loss's mask where it has one, then the metric state.
     """
 
-    def __init__(self, model, variables, compute, update_metrics, unscale=True):
+    def __init__(self, model, variables, compute, update_metrics, unscale=True,
+                 whole=False):
         self.model = model
+        # One micro-batch: nothing is summed, and the gradients stay as given.
+        self.whole = whole
         self.unscale = unscale
         self.variables = variables
         self.compute = compute
@@ -516,7 +523,9 @@ class _Engine:
             self.model, micro_batch, self.variables, self.compute, weighted=True
         )
         self.layout = _gradient_layout(
-            part.gradients, keep_sparse=not uses_xla(self.model)
+            part.gradients,
+            keep_sparse=not uses_xla(self.model),
+            as_given=self.whole,
         )
         self.extra_names = sorted(part.extras)
         carry = _pack_gradients(part.gradients, self.layout, self.variables)
@@ -539,7 +548,7 @@ class _Engine:
             len(masks),
             len(metric_state),
         )
-        kinds = {"dense": [False], "sparse": [True, True], None: []}
+        kinds = {"dense": [False], "sparse": [True, True], "rows": [True, True], None: []}
         growing = [flag for kind in self.layout for flag in kinds[kind]]
         growing += [False] * (len(carry) - len(growing) + len(metric_state))
         return carry + metric_state, part.y_pred, growing
@@ -766,17 +775,21 @@ def _concat_rows(parts):
     )
 
 
-def _gradient_layout(gradients, keep_sparse):
+def _gradient_layout(gradients, keep_sparse, as_given=False):
     """Records, per variable, whether its gradient is None, dense or sparse.
 
     Sparse gradients (embeddings) are summed as IndexedSlices with each row
     once; with `keep_sparse=False` (XLA, whose loops need fixed shapes)
-    they are summed dense.
+    they are summed dense. With `as_given` (a step of one micro-batch,
+    which sums nothing, on XLA too) they keep Keras' rows, one per lookup
+    (`"rows"`): the optimizer then gets what plain `fit` gives it.
     """
     layout = []
     for gradient in gradients:
         if gradient is None:
             layout.append(None)
+        elif as_given and isinstance(gradient, tf.IndexedSlices):
+            layout.append("rows")
         elif keep_sparse and isinstance(gradient, tf.IndexedSlices):
             layout.append("sparse")
         else:
@@ -812,6 +825,9 @@ def _pack_gradients(gradients, layout, variables):
             inner = list(variable.shape[1:])
             flat.append(tf.zeros([0] + inner, variable.dtype))
             flat.append(tf.zeros([0], tf.int64))
+        elif kind == "rows":
+            flat.append(gradient.values)
+            flat.append(tf.cast(gradient.indices, tf.int64))
         elif isinstance(gradient, tf.IndexedSlices):
             flat.extend(
                 _unique_rows(gradient.values, tf.cast(gradient.indices, tf.int64))
