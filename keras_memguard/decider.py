@@ -121,6 +121,12 @@ HELD_OVERSHOOT = 0.01
 # Before any reading, a micro-batch is taken to need this many times its
 # layer outputs (kept for the backward pass, their gradients, temporaries).
 FIRST_SPLIT_ACTIVATIONS = 4.0
+# The first batch's split when nothing is known and nobody chose one. The
+# batch runs whole instead where the memory free holds this many times what
+# `FIRST_SPLIT_ACTIVATIONS` asks of it: a split the memory does not call for
+# would still change the step (BatchNormalization's statistics, an
+# embedding's rows under Adam) and, on XLA, compile a second program.
+CAUTIOUS_FIRST_SPLIT = 8
 # The recent high of the memory held outside the step falls by this share
 # of the limit per batch observed while the memory in use before a batch
 # stays below it by more than that.
@@ -137,6 +143,10 @@ CANNOT_SPLIT_CAP = "max_micro_batches"
 CANNOT_SPLIT_ALLOCATION = "allocation"
 
 FIRST_SPLIT = "nothing measured yet: a cautious first split"
+FIRST_WHOLE = (
+    "nothing measured yet: the layer outputs leave room for the whole batch "
+    "many times over"
+)
 SMALLER = (
     "a smaller micro-batch, to tell memory that grows with it from memory "
     "that does not"
@@ -159,7 +169,9 @@ class DeciderConfig(NamedTuple):
             before `k` halves.
         growth: A plan's work is at most this many times the largest work
             that ran (when the prediction is above half the target).
-        first_split: Micro-batches of the first batch, before any reading.
+        first_split: Micro-batches of the first batch, before any reading,
+            or `None`: `CAUTIOUS_FIRST_SPLIT`, or the whole batch where
+            its layer outputs leave room many times over.
         min_micro_batches: The smallest `k` decided.
         max_micro_batches: The largest `k` decided, or `None`.
         predictive: Plan each batch before it runs (`True`) or react to
@@ -170,7 +182,7 @@ class DeciderConfig(NamedTuple):
     release: float = 0.7
     cooldown: int = 20
     growth: float = 2.0
-    first_split: int = 8
+    first_split: Optional[int] = None
     min_micro_batches: int = 1
     max_micro_batches: Optional[int] = None
     predictive: bool = True
@@ -388,7 +400,7 @@ def make_config(
     release=None,
     cooldown=20,
     growth=2.0,
-    first_split=8,
+    first_split=None,
     min_micro_batches=1,
     max_micro_batches=None,
     predictive=True,
@@ -407,7 +419,10 @@ def make_config(
         growth: The most a plan's work may exceed the largest work that
             ran, a number > 1. Defaults to `2.0`.
         first_split: Micro-batches of the first batch when nothing is
-            known, an integer >= 1. Defaults to `8`.
+            known, an integer >= 1, or `None`: a cautious 8
+            (`CAUTIOUS_FIRST_SPLIT`), or 1 where the memory free holds the
+            whole batch's layer outputs 32 times over (8 times the 4 a
+            micro-batch is taken to need). Defaults to `None`.
         min_micro_batches: The smallest count, an integer >= 1. Defaults
             to `1`.
         max_micro_batches: The largest count, an integer >=
@@ -452,6 +467,8 @@ def make_config(
         ("first_split", first_split),
         ("min_micro_batches", min_micro_batches),
     ):
+        if name == "first_split" and value is None:
+            continue
         if not _is_int(value) or value < 1:
             raise ValueError(
                 f"`{name}` must be an integer >= 1. Received: {name}={value!r}"
@@ -478,7 +495,7 @@ def make_config(
         release=float(release),
         cooldown=int(cooldown),
         growth=float(growth),
-        first_split=int(first_split),
+        first_split=None if first_split is None else int(first_split),
         min_micro_batches=int(min_micro_batches),
         max_micro_batches=None if max_micro_batches is None else int(max_micro_batches),
         predictive=predictive,
@@ -491,7 +508,8 @@ def init(config, micro_batches=None, fixed_bytes=0, sample_bytes=0):
     Args:
         config: A `DeciderConfig`.
         micro_batches: The count to start with, an integer >= 1. Defaults
-            to `None`: `config.first_split` when planning, else `1`.
+            to `None`: `config.first_split` (or `CAUTIOUS_FIRST_SPLIT`)
+            when planning, else `1`.
         fixed_bytes: The step's own memory that does not shrink with the
             micro-batch (the gradients' bytes), >= 0. Defaults to `0`.
         sample_bytes: The bytes of one sample's layer outputs, >= 0 (0:
@@ -509,7 +527,9 @@ def init(config, micro_batches=None, fixed_bytes=0, sample_bytes=0):
     1
     """
     if micro_batches is None:
-        micro_batches = config.first_split if config.predictive else 1
+        micro_batches = (
+            (config.first_split or CAUTIOUS_FIRST_SPLIT) if config.predictive else 1
+        )
     if not _is_int(micro_batches) or micro_batches < 1:
         raise ValueError(
             "`micro_batches` must be an integer >= 1. "
@@ -841,7 +861,9 @@ def plan(config, state, batch):
     shape = (batch_size, batch.sample_size)
     planned_in_use = in_use_planned_for(state, batch.in_use_bytes)
     if not state.readings and not state.failures:
-        k = _remembered(state, shape) or config.first_split
+        remembered = _remembered(state, shape)
+        k = remembered or config.first_split or CAUTIOUS_FIRST_SPLIT
+        reason = FIRST_SPLIT
         if state.sample_bytes and planned_in_use is not None:
             # The layer outputs of a micro-batch, several times over, in
             # the memory free now.
@@ -852,9 +874,15 @@ def plan(config, state, batch):
             )
             per_sample = FIRST_SPLIT_ACTIVATIONS * state.sample_bytes
             largest = int(budget / per_sample) if budget > 0 else 0
+            if (
+                not remembered
+                and config.first_split is None
+                and largest >= CAUTIOUS_FIRST_SPLIT * batch_size
+            ):
+                k, reason = 1, FIRST_WHOLE
             k = max(k, -(-batch_size // max(largest, 1)))
         k = max(low, min(high, k))
-        return Plan(k, previous, None, FIRST_SPLIT), _remember(state, shape, k)
+        return Plan(k, previous, None, reason), _remember(state, shape, k)
     # Unknown memory in use: at least what was held outside the step.
     in_use = state.outside_bytes if planned_in_use is None else planned_in_use
     target = config.threshold * batch.limit_bytes
@@ -868,7 +896,14 @@ def plan(config, state, batch):
         # growth, measure a micro-batch half as large (safe) to find out.
         measured = int(state.readings[0][0] / batch.sample_size)
         probe = max(low, min(high, -(-batch_size // max(1, measured // 2))))
-        if -(-batch_size // k) <= measured and probe > k:
+        # Not where the whole batch ran within half the target: splitting
+        # it only to measure would change the step for nothing it needs.
+        roomy = (
+            k == 1
+            and measured >= batch_size
+            and in_use + state.readings[0][1] <= 0.5 * target
+        )
+        if -(-batch_size // k) <= measured and probe > k and not roomy:
             usage = _usage(state, batch._replace(in_use_bytes=in_use), probe)
             return Plan(probe, previous, usage, SMALLER), _remember(state, shape, probe)
     if ran_with is not None and k < ran_with:

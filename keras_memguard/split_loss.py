@@ -85,7 +85,7 @@ def parts_and_whole(model, data, size, exact_masks=True):
         )
 
     kept = [
-        (variable, keras.ops.convert_to_numpy(variable))
+        (variable, variable.numpy())
         for variable in list(model.metrics_variables)
         + [v for v in model.non_trainable_variables if "seed_generator" in v.path]
     ]

@@ -84,7 +84,7 @@ def test_values_reach_csv_tensorboard_history_and_earlier_callbacks(order, tmp_p
         "csv": keras.callbacks.CSVLogger(str(csv_path)),
         "tensorboard": keras.callbacks.TensorBoard(str(tmp_path / "tb"), update_freq="batch"),
         "monitor": keras_memguard.MemoryMonitor(),
-        "guard": keras_memguard.MemoryGuard(),
+        "guard": keras_memguard.MemoryGuard(micro_batches=8),
         "history": keras.callbacks.History(),
     }
     first = _Recorder()  # before every other callback
@@ -103,10 +103,10 @@ def test_values_reach_csv_tensorboard_history_and_earlier_callbacks(order, tmp_p
         assert set(KEYS) <= set(logs)
         assert logs["memory_peak_mib"] > 0
         assert 0 < logs["memory_usage"] < 1
-    # The count each batch ran with: memory is plentiful, so every batch
-    # whole, the first too (its layer outputs leave room many times over).
-    assert [logs["micro_batches"] for logs in first.batch_logs] == [1] * (
-        BATCHES * EPOCHS
+    # The count each batch ran with: the first split asked for, then the
+    # plan (memory is plentiful).
+    assert [logs["micro_batches"] for logs in first.batch_logs] == [8] + [1] * (
+        BATCHES * EPOCHS - 1
     )
     # Epoch logs: the epoch's peak (the highest of its batches).
     for epoch, logs in enumerate(first.epoch_logs):

@@ -23,6 +23,7 @@ from keras_memguard.backends.tensorflow import split_micro_batches
 from keras_memguard.backends.tensorflow import replay
 from keras_memguard.backends.tensorflow.mixin import MemGuardMixin
 import programs
+from split_cases import assert_a_model_that_fits_trains_as_plain_fit
 
 # 203 samples in batches of 50: 4 full batches (50 is divisible by none of
 # 3, 4 and 8) and a last batch of 3, smaller than k = 4 and k = 8.
@@ -215,17 +216,21 @@ def test_accumulate_matches_full_batch(micro_batches, weighted_reference):
     assert int(model.optimizer.iterations) == STEPS
 
 
-@pytest.mark.parametrize("jit_compile", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_a_step_left_whole_trains_an_embedding_with_adam_as_plain_fit(jit_compile):
+def test_a_model_that_fits_trains_as_plain_fit_under_a_default_guard(recwarn):
+    assert_a_model_that_fits_trains_as_plain_fit(recwarn)
+
+
+@pytest.mark.slow
+def test_a_step_left_whole_on_xla_trains_an_embedding_with_adam_as_plain_fit():
     # Plain Adam squares each lookup's row of an embedding's gradient on
     # its own; a guard that splits nothing must hand it the same rows
     # (merged, the weights ended 3.6e-3 apart).
     tokens = {"dense": X, "tokens": TOKENS}
     plain = build_two_input_model()
-    plain.jit_compile = jit_compile
+    plain.jit_compile = True
     reference = fit(plain, x=tokens)
     guarded = build_two_input_model()
-    guarded.jit_compile = jit_compile
+    guarded.jit_compile = True
     guard = keras_memguard.MemoryGuard(memory_limit=1 << 30)
     weights, history = fit(guarded, x=tokens, callbacks=[guard])
     assert history.pop("micro_batches") == [1] * EPOCHS

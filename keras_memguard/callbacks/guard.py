@@ -66,8 +66,10 @@ class MemoryGuard(keras.callbacks.Callback):
             changes, before `k` halves. Defaults to `20`.
         micro_batches: The count to start with when the guard has no saved
             state: with `plan=True`, the first batch's split when nothing is
-            known (`1` means the cautious default of 8); with `plan=False`,
-            the count until the usage changes it. Defaults to `1`.
+            known (`1` lets the guard choose: the whole batch where its
+            layer outputs leave the memory free many times over, else a
+            cautious 8); with `plan=False`, the count until the usage
+            changes it. Defaults to `1`.
         memory_limit: Device memory limit in bytes (an int for every device,
             or a dict from TensorFlow device string to bytes). `None`
             resolves it as `AllocatorProbe` documents. Defaults to `None`.

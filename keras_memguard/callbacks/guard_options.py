@@ -44,7 +44,7 @@ def decider_config(
         threshold=threshold,
         release=release,
         cooldown=cooldown,
-        first_split=micro_batches if micro_batches > 1 else 8,
+        first_split=micro_batches if micro_batches > 1 else None,
         max_micro_batches=max_micro_batches,
         predictive=plan,
     )

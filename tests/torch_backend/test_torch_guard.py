@@ -289,7 +289,11 @@ def test_shrink_mode_equals_plain_fit_at_the_micro_batch_size():
 def _first_counts(plan_cache, x, y):
     keras.utils.set_random_seed(0)
     model = make_recorded_mlp()
-    guard = keras_memguard.MemoryGuard(memory_limit=BIG, plan_cache=plan_cache)
+    # A first split asked for: where memory is plentiful the guard's own
+    # choice is the whole batch.
+    guard = keras_memguard.MemoryGuard(
+        memory_limit=BIG, plan_cache=plan_cache, micro_batches=8
+    )
     batches = BatchLogs()
     model.fit(x, y, callbacks=[guard, batches], **FIT)
     return batches.counts(), guard.micro_batches, sizes_of(model)
@@ -298,7 +302,7 @@ def _first_counts(plan_cache, x, y):
 def test_a_second_fit_of_the_same_setup_starts_from_the_learned_count(caplog):
     x, y = mlp_data(80)
     counts, settled, sizes = _first_counts(True, x, y)
-    # A set-up never seen: the cautious first split, then what fits.
+    # A set-up never seen: the first split, then what fits.
     assert counts[0] == 8 and len(sizes) > 8
     assert counts[-1] == settled < 8
     plans = glob.glob(os.path.join(os.environ["KERAS_HOME"], "memguard", "plan-*.json"))
@@ -306,7 +310,7 @@ def test_a_second_fit_of_the_same_setup_starts_from_the_learned_count(caplog):
 
     with caplog.at_level(logging.INFO, logger="keras_memguard"):
         again, _, sizes = _first_counts(True, x, y)
-    # A new guard and a new model of the same set-up: no cautious split.
+    # A new guard and a new model of the same set-up: no first split.
     assert again[0] == settled, again
     assert sizes[0] == -(-BATCH // settled)  # not the first split's 3 samples
     assert any("of an earlier run" in r.getMessage() for r in caplog.records), [
@@ -325,7 +329,9 @@ def test_the_guard_writes_its_scalars_per_batch_beside_the_monitor(tmp_path, gua
     x, y = mlp_data(80)
     keras.utils.set_random_seed(0)
     model = make_recorded_mlp()
-    guard = keras_memguard.MemoryGuard(memory_limit=BIG, log_dir=str(tmp_path), plan_cache=False)
+    guard = keras_memguard.MemoryGuard(
+        memory_limit=BIG, log_dir=str(tmp_path), plan_cache=False, micro_batches=8
+    )
     monitor = keras_memguard.MemoryMonitor(log_dir=str(tmp_path), memory_limit=BIG)
     batches = BatchLogs()
     callbacks = [guard, monitor] if guard_first else [monitor, guard]
@@ -336,7 +342,7 @@ def test_the_guard_writes_its_scalars_per_batch_beside_the_monitor(tmp_path, gua
     for tag in GUARD_TAGS:
         assert [s for s, _ in logged.get(tag, [])] == steps, (tag, sorted(logged))
     counts = batches.counts()
-    assert counts[0] == 8  # the cautious first split, then fewer
+    assert counts[0] == 8  # the first split asked for, then fewer
     assert [v for _, v in logged["memguard/micro_batches"]] == counts
     assert [v for _, v in logged["memguard/micro_batch_size"]] == [
         -(-BATCH // k) for k in counts

@@ -28,6 +28,7 @@ import torch
 from keras import tree
 
 from keras_memguard import decider
+from keras_memguard import oom_explanation
 from keras_memguard import split_loss
 from keras_memguard.backends import shared
 from keras_memguard.backends.torch.inference import SlicedPredictFunction
@@ -204,7 +205,12 @@ class TorchTrainingRun:
                 self.model, data, session.probe.devices, session.limits, options.mode
             )
             state = session.controller.load_plan(fields)
-        session.start(session.smallest_limit, gradient_bytes(self.model), 0.0, state)
+        session.start(
+            session.smallest_limit,
+            gradient_bytes(self.model),
+            oom_explanation.layer_output_bytes(self.model),
+            state,
+        )
 
     def _plan(self, data):
         """The count for the batch about to run (the function's `plan`)."""
