@@ -100,12 +100,14 @@ def parts_and_whole(model, data, size, exact_masks=True):
         own_passes = len(added_whole) > regularized
 
         def loss(start, stop, predicted):
-            return compat.compute_loss(
-                model,
-                rows(x, start, stop),
-                rows(y, start, stop),
-                predicted,
+            # A copy of the weights: Keras' loss multiplies them by a mask in
+            # place on PyTorch, which would change the batch about to train.
+            weights = keras.tree.map_structure(
+                lambda w: None if w is None else keras.ops.copy(w),
                 rows(sample_weight, start, stop),
+            )
+            return compat.compute_loss(
+                model, rows(x, start, stop), rows(y, start, stop), predicted, weights
             )
 
         whole = _number(loss(0, size, y_pred))

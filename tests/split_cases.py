@@ -291,8 +291,69 @@ def assert_a_model_that_fits_trains_as_plain_fit(recwarn):
     assert not told, told
 
 
+def assert_masked_losses_train_as_plain_fit(make_guard=fixed_split):
+    """Losses over unmasked tokens under `make_guard()`: what plain `fit` gives.
+
+    Padded sequences where one micro-batch holds only padding, masked by
+    `ignore_class`, by a Keras mask (`mask_zero`, with a metric that reads
+    it), and by `ignore_class` beside per-token sample weights. JAX used to
+    weigh each micro-batch by its samples (1.9e-3 apart); PyTorch read the
+    metric without the mask and, beside sample weights, trained on weights
+    Keras' loss had multiplied in place.
+    """
+    rng = np.random.default_rng(0)
+    vocabulary, length, n = 30, 12, 96
+    ids = rng.integers(1, vocabulary, size=(n, length)).astype("int32")
+    lengths = rng.integers(1, length, size=n)
+    lengths[40:48] = 0  # the second micro-batch of the second batch at k=4
+    for row, kept in enumerate(lengths):
+        ids[row, kept:] = 0
+    targets = np.where(ids > 0, (ids * 7) % vocabulary, 0).astype("int32")
+    token_weights = (ids > 0) * rng.uniform(0.5, 2.0, size=(n, length))
+    cases = {
+        "ignore_class": (False, None),
+        "mask_zero": (True, None),
+        "ignore_class and sample weights": (False, token_weights.astype("float32")),
+    }
+    for name, (mask_zero, weights) in cases.items():
+        results = []
+        for callbacks in ([], [make_guard()]):
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((length,), dtype="int32")
+            hidden = keras.layers.Embedding(vocabulary, 16, mask_zero=mask_zero)(inputs)
+            hidden = keras.layers.GRU(16, return_sequences=True)(hidden)
+            model = keras.Model(inputs, keras.layers.Dense(vocabulary)(hidden))
+            model.compile(
+                keras.optimizers.SGD(0.1),
+                keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True, ignore_class=None if mask_zero else 0
+                ),
+                weighted_metrics=["accuracy"],
+            )
+            history = model.fit(
+                ids, targets, sample_weight=weights, batch_size=32, epochs=2,
+                shuffle=False, verbose=0, callbacks=callbacks,
+            )
+            results.append((model.get_weights(), history.history))
+        (want, want_logs), (got, got_logs) = results
+        for key, values in want_logs.items():
+            if key == "accuracy" and weights is not None and keras.backend.backend() == "torch":
+                # On PyTorch Keras' loss multiplies the weights by its mask
+                # in place, so plain `fit`'s weighted metrics weigh each batch
+                # by its unmasked share, the guard's each micro-batch (left
+                # alone; documented).
+                continue
+            np.testing.assert_allclose(got_logs[key], values, rtol=1e-5, err_msg=(name, key))
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6, err_msg=name)
+
+
 # Tests the JAX and PyTorch test modules import as they are (pytest
 # collects them there; this module's name is not a test file's).
+
+
+def test_masked_losses_train_as_plain_fit():
+    assert_masked_losses_train_as_plain_fit()
 
 
 def test_a_model_that_fits_trains_as_plain_fit_under_a_default_guard(recwarn):

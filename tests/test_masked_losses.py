@@ -20,6 +20,7 @@ import keras_memguard
 from keras_memguard.backends.tensorflow.mixin import MemGuardMixin
 from split_cases import assert_added_losses_train_as_plain_fit
 from split_cases import assert_metric_functions_read_as_plain_fit
+from split_cases import test_masked_losses_train_as_plain_fit  # noqa: F401
 
 VOCABULARY, TOKENS = 40, 12
 BATCH = 24

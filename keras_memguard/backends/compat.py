@@ -94,6 +94,8 @@ JAX_PRIVATE_NAMES = (
 TORCH_PRIVATE_NAMES = (
     ("keras.src.backend.torch.trainer", "TorchTrainer"),
     ("keras.src.backend.torch.trainer", "TorchEpochIterator"),
+    ("keras.src.backend", "get_keras_mask"),
+    ("keras.src.backend", "set_keras_mask"),
     ("keras.src.losses.loss", "apply_mask"),
     ("keras.src.losses.loss", "reduce_values"),
     ("keras.Model", "_compute_loss"),
@@ -811,6 +813,22 @@ def torch_trainer_class():
 def torch_epoch_iterator_class():
     """Keras' `TorchEpochIterator`: batches as torch `fit` yields them."""
     return _import_attribute("keras.src.backend.torch.trainer", "TorchEpochIterator")
+
+
+def keras_mask(tensor):
+    """The Keras mask a tensor carries (`mask_zero`, `Masking`), or `None`.
+
+    On PyTorch a layer's output mask rides on the tensor as an attribute,
+    which a new tensor (`detach()`, `torch.cat`) does not have: the losses
+    and metrics that read it would see none unless it is carried over.
+    """
+    return _import_attribute("keras.src.backend", "get_keras_mask")(tensor)
+
+
+def set_keras_mask(tensor, mask):
+    """Makes `tensor` carry `mask` as its Keras mask (see `keras_mask`)."""
+    _import_attribute("keras.src.backend", "set_keras_mask")(tensor, mask)
+    return tensor
 
 
 def batches_of(data):

@@ -14,6 +14,7 @@ import keras
 import keras_memguard
 from split_cases import fixed_split
 from split_cases import test_a_model_that_fits_trains_as_plain_fit_under_a_default_guard  # noqa: F401
+from split_cases import test_masked_losses_train_as_plain_fit  # noqa: F401
 from split_cases import test_losses_the_layers_add_train_as_plain_fit  # noqa: F401
 from split_cases import test_metric_functions_of_the_users_read_as_in_plain_fit  # noqa: F401
 from split_cases import assert_reduction_trains_as_plain_fit
@@ -83,10 +84,8 @@ def test_micro_batched_fit_matches_plain_fit(plain_runs, name, k):
     model.evaluate(x, y, verbose=0)
 
 
-# (Over the weights' sum, JAX's micro-batches divide by their own: not exact.)
-REDUCTIONS = ("sum",)
-
-@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("reduction", ["sum", "mean_with_sample_weight"])
 def test_a_loss_reduced_otherwise_than_by_the_mean_trains_as_plain_fit(reduction):
-    # Summed, a micro-batch's loss used to count a third of itself (k=3).
+    # Summed, a micro-batch's loss used to count a third of itself (k=3);
+    # over the weights' sum, each micro-batch divided by its own.
     assert_reduction_trains_as_plain_fit(reduction, fixed_split(3))

@@ -188,8 +188,6 @@ class JaxTrainingRun:
         split_loss.check_once(
             model, data, batch_size_of(data), k,
             values=[pair for group in zip(variables, state) for pair in zip(*group)],
-            # JAX's step weighs a masked loss by the samples (not exact, documented).
-            exact_masks=False,
         )
         summed = compat.summed_added_losses(model)
         if summed != marked and any(summed or ()):

@@ -16,16 +16,21 @@ For a loss that is a mean over the batch's samples (Keras' default
 `"sum_over_batch_size"` reduction, with or without sample weights) the
 update equals the whole batch's to float tolerance; so it does for a loss
 reduced by `"sum"`, whose micro-batch sums are scaled to count whole
-(`compat.scaling_summed_losses`). Not equal: layers that use batch
-statistics (`BatchNormalization` normalizes each micro-batch by its own
-moments and updates its moving statistics once per micro-batch), losses
-masked per element or reduced by `"mean_with_sample_weight"` (each
-micro-batch divides by its own count of unmasked elements or its own sum
-of weights), and losses added by layers that depend on the inputs and are
-summed rather than averaged over the batch.
+(`compat.scaling_summed_losses`), and for one loss that averages over a
+mask (a Keras mask, `ignore_class`) or over its sample weights
+(`"mean_with_sample_weight"`): each micro-batch divides by its own count
+of unmasked elements (or its own sum of weights), so it is weighted by its
+share of the samples times `valid / total` of its own elements, and the
+sum is divided by the whole batch's `valid / total` once the loop is done
+(`compat.recording_loss_masks`), as the TensorFlow step does. Not equal:
+layers that use batch statistics (`BatchNormalization` normalizes each
+micro-batch by its own moments and updates its moving statistics once per
+micro-batch), and several loss terms of which some average over a mask
+(weighted by the samples, with a warning).
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +38,10 @@ import jax.numpy as jnp
 from keras_memguard.backends.shared import micro_batch_segments
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.backends import compat
+
+# Set on a model once it was warned that its masked loss terms are combined
+# by their share of the samples.
+_MASKED_LOSSES_WARNED_ATTR = "_memguard_masked_losses_warned"
 
 
 def batch_size_of(data):
@@ -100,16 +109,14 @@ def micro_batch_train_step(model, state, data, micro_batches):
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     x, y, sample_weight = compat.unpack_data(data)
     batch_size = batch_size_of(data)
-    grad_fn = jax.value_and_grad(
-        compat.loss_and_updates_function(model), has_aux=True
-    )
+    grad_fn = jax.value_and_grad(_loss_and_mask(model, micro_batches), has_aux=True)
 
     def run(carry, part, share):
-        gradients, non_trainable, metrics_variables, loss = carry
+        gradients, non_trainable, metrics_variables, loss, elements = carry
         part_x, part_y, part_weight = part
         # Weighted by its share below, a summed loss must come out as its sum.
         with compat.scaling_summed_losses(1.0 / share):
-            (_, aux), part_gradients = grad_fn(
+            (_, (aux, mask)), part_gradients = grad_fn(
                 trainable,
                 non_trainable,
                 metrics_variables,
@@ -121,20 +128,24 @@ def micro_batch_train_step(model, state, data, micro_batches):
             )
         unscaled_loss, y_pred, non_trainable, metrics_variables = aux
         # The whole batch's mean loss is the micro-batches' means, each
-        # weighted by its share of the samples; so are its gradients.
+        # weighted by its share of the samples (times its own share of
+        # the elements a masked loss averaged over); so are its gradients.
+        weight = share * jnp.where(mask[1] > 0, mask[0] / mask[1], 0.0)
         gradients = jax.tree_util.tree_map(
-            lambda total, g: total + (g * share).astype(total.dtype),
+            lambda total, g: total + (g * weight).astype(total.dtype),
             gradients,
             part_gradients,
         )
-        loss = loss + (unscaled_loss * share).astype(loss.dtype)
-        return (gradients, non_trainable, metrics_variables, loss), y_pred
+        loss = loss + (unscaled_loss * weight).astype(loss.dtype)
+        elements = elements + mask
+        return (gradients, non_trainable, metrics_variables, loss, elements), y_pred
 
     carry = (
         jax.tree_util.tree_map(jnp.zeros_like, trainable),
         non_trainable,
         metrics_variables,
         jnp.zeros((), "float32"),
+        jnp.zeros((2,), "float32"),
     )
     predictions = []
     for start, count, size in micro_batch_segments(batch_size, micro_batches):
@@ -146,7 +157,15 @@ def micro_batch_train_step(model, state, data, micro_batches):
         else:
             carry, y_pred = jax.lax.scan(body, carry, parts)
             predictions.append(_unstacked(y_pred))
-    gradients, non_trainable, metrics_variables, loss = carry
+    gradients, non_trainable, metrics_variables, loss, elements = carry
+    # From the samples' share to the unmasked elements' share (1 where the
+    # loss averaged over the samples: each micro-batch counted (1, 1)).
+    valid, total = elements[0], elements[1]
+    correction = jnp.where(valid > 0, total / valid, 0.0)
+    gradients = jax.tree_util.tree_map(
+        lambda g: (g * correction).astype(g.dtype), gradients
+    )
+    loss = (loss * correction).astype(loss.dtype)
     y_pred = jax.tree_util.tree_map(
         lambda *parts: jnp.concatenate(parts, axis=0), *predictions
     )
@@ -158,6 +177,43 @@ def micro_batch_train_step(model, state, data, micro_batches):
         model, metrics_variables, loss, x, y, y_pred, sample_weight
     )
     return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+def _loss_and_mask(model, micro_batches):
+    """The model's loss function, with what its loss averaged over beside it.
+
+    `(loss, (aux, mask))`: Keras' stateless loss and its aux, and
+    `mask = [valid, total]` where one loss term averaged over a mask's
+    valid elements of its total (or over its sample weights' sum), else
+    `[1, 1]` (a mean over the samples). Several terms, some masked: `[1,
+    1]`, with a warning once: weighted by the samples, close to the whole
+    batch's loss, not equal to it.
+    """
+    loss_function = compat.loss_and_updates_function(model)
+
+    def loss_and_mask(*args, **kwargs):
+        with compat.recording_loss_masks() as masks:
+            loss, aux = loss_function(*args, **kwargs)
+        if len(masks) == 1 and compat.loss_term_count(model) <= 1:
+            mask = jnp.stack([jnp.asarray(v, "float32") for v in masks[0]])
+            return loss, (aux, jax.lax.stop_gradient(mask))
+        if masks and not getattr(model, _MASKED_LOSSES_WARNED_ATTR, False):
+            object.__setattr__(model, _MASKED_LOSSES_WARNED_ATTR, True)
+            warnings.warn(
+                f"Model {model.name!r} has "
+                f"{max(len(masks), compat.loss_term_count(model))} loss terms, "
+                "and some average over a mask (a Keras mask or `ignore_class`) "
+                "or over their sample weights (`mean_with_sample_weight`). "
+                f"Under micro_batches={micro_batches} each micro-batch's loss "
+                "is weighted by its share of the samples, not of what it "
+                "averaged over: close to the whole batch's loss, not equal to "
+                "it. One such loss on a model with one output is combined "
+                "exactly.",
+                stacklevel=2,
+            )
+        return loss, (aux, jnp.ones((2,), "float32"))
+
+    return loss_and_mask
 
 
 def make_train_step(model, micro_batches):

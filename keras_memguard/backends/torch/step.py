@@ -129,15 +129,31 @@ def rows(structure, start, stop):
 
 
 def _detached(structure):
-    return keras.tree.map_structure(
-        lambda t: t.detach() if isinstance(t, torch.Tensor) else t, structure
-    )
+    """Tensors without their graph, each with its Keras mask (detached too)."""
+
+    def detach(tensor):
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        mask = compat.keras_mask(tensor)
+        detached = tensor.detach()
+        return detached if mask is None else compat.set_keras_mask(detached, mask.detach())
+
+    return keras.tree.map_structure(detach, structure)
 
 
 def concatenated(parts):
+    """The parts' rows in one structure, with their Keras masks concatenated."""
     if len(parts) == 1:
         return parts[0]
-    return keras.tree.map_structure(lambda *p: torch.cat(p, dim=0), *parts)
+
+    def concatenate(*tensors):
+        whole = torch.cat(tensors, dim=0)
+        masks = [compat.keras_mask(t) for t in tensors]
+        if all(mask is not None for mask in masks):
+            compat.set_keras_mask(whole, torch.cat(masks, dim=0))
+        return whole
+
+    return keras.tree.map_structure(concatenate, *parts)
 
 
 def forward(model, x):
