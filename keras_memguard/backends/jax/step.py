@@ -109,14 +109,15 @@ def micro_batch_train_step(model, state, data, micro_batches):
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     x, y, sample_weight = compat.unpack_data(data)
     batch_size = batch_size_of(data)
-    grad_fn = jax.value_and_grad(_loss_and_mask(model, micro_batches), has_aux=True)
-
     def run(carry, part, share):
         gradients, non_trainable, metrics_variables, loss, elements = carry
         part_x, part_y, part_weight = part
         # Weighted by its share below, a summed loss must come out as its sum.
+        grad_fn = jax.value_and_grad(
+            _weighted_loss(model, micro_batches, share), has_aux=True
+        )
         with compat.scaling_summed_losses(1.0 / share):
-            (_, (aux, mask)), part_gradients = grad_fn(
+            (_, (aux, mask, weight)), part_gradients = grad_fn(
                 trainable,
                 non_trainable,
                 metrics_variables,
@@ -127,14 +128,8 @@ def micro_batch_train_step(model, state, data, micro_batches):
                 optimizer_variables=optimizer_variables,
             )
         unscaled_loss, y_pred, non_trainable, metrics_variables = aux
-        # The whole batch's mean loss is the micro-batches' means, each
-        # weighted by its share of the samples (times its own share of
-        # the elements a masked loss averaged over); so are its gradients.
-        weight = share * jnp.where(mask[1] > 0, mask[0] / mask[1], 0.0)
         gradients = jax.tree_util.tree_map(
-            lambda total, g: total + (g * weight).astype(total.dtype),
-            gradients,
-            part_gradients,
+            lambda total, g: total + g.astype(total.dtype), gradients, part_gradients
         )
         loss = loss + (unscaled_loss * weight).astype(loss.dtype)
         elements = elements + mask
@@ -179,24 +174,35 @@ def micro_batch_train_step(model, state, data, micro_batches):
     return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
 
 
-def _loss_and_mask(model, micro_batches):
-    """The model's loss function, with what its loss averaged over beside it.
+def _weighted_loss(model, micro_batches, share):
+    """The model's loss function, weighted as one micro-batch of the whole.
 
-    `(loss, (aux, mask))`: Keras' stateless loss and its aux, and
-    `mask = [valid, total]` where one loss term averaged over a mask's
-    valid elements of its total (or over its sample weights' sum), else
-    `[1, 1]` (a mean over the samples). Several terms, some masked: `[1,
-    1]`, with a warning once: weighted by the samples, close to the whole
-    batch's loss, not equal to it.
+    `(loss * weight, (aux, mask, weight))`: Keras' stateless loss (already
+    multiplied by the optimizer's loss scale) times the micro-batch's
+    weight, its share of the samples times its own `valid / total` where
+    the loss averaged over a mask; Keras' aux; `mask = [valid, total]`
+    where one loss term averaged over a mask's valid elements of its total
+    (or over its sample weights' sum), else `[1, 1]` (a mean over the
+    samples). Weighted before the backward pass, as the whole batch's
+    mean is: the backward pass's values keep the whole batch's magnitude,
+    so mixed precision overflows where plain `fit` does, not at a k-th of
+    its loss scale. Several terms, some masked: `[1, 1]`, with a warning
+    once: weighted by the samples, close to the whole batch's loss, not
+    equal to it.
     """
     loss_function = compat.loss_and_updates_function(model)
+
+    def weighted(loss, aux, mask):
+        mask = jax.lax.stop_gradient(mask)
+        weight = share * jnp.where(mask[1] > 0, mask[0] / mask[1], 0.0)
+        return loss * weight.astype(loss.dtype), (aux, mask, weight)
 
     def loss_and_mask(*args, **kwargs):
         with compat.recording_loss_masks() as masks:
             loss, aux = loss_function(*args, **kwargs)
         if len(masks) == 1 and compat.loss_term_count(model) <= 1:
             mask = jnp.stack([jnp.asarray(v, "float32") for v in masks[0]])
-            return loss, (aux, jax.lax.stop_gradient(mask))
+            return weighted(loss, aux, mask)
         if masks and not getattr(model, _MASKED_LOSSES_WARNED_ATTR, False):
             object.__setattr__(model, _MASKED_LOSSES_WARNED_ATTR, True)
             warnings.warn(
@@ -211,7 +217,7 @@ def _loss_and_mask(model, micro_batches):
                 "exactly.",
                 stacklevel=2,
             )
-        return loss, (aux, jnp.ones((2,), "float32"))
+        return weighted(loss, aux, jnp.ones((2,), "float32"))
 
     return loss_and_mask
 
