@@ -470,8 +470,9 @@ def make_config(
         if name == "first_split" and value is None:
             continue
         if not _is_int(value) or value < 1:
+            allowed = " or None" if name == "first_split" else ""
             raise ValueError(
-                f"`{name}` must be an integer >= 1. Received: {name}={value!r}"
+                f"`{name}` must be an integer >= 1{allowed}. Received: {name}={value!r}"
             )
     if max_micro_batches is not None and (
         not _is_int(max_micro_batches) or max_micro_batches < 1

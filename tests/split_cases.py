@@ -348,8 +348,32 @@ def assert_masked_losses_train_as_plain_fit(make_guard=fixed_split):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-6, err_msg=name)
 
 
+def assert_several_masked_loss_terms_are_warned_about_once(recwarn):
+    """Two outputs, each with a loss over unmasked tokens: a warning, once.
+
+    Their micro-batches are weighted by the samples, which is close to
+    plain `fit`'s loss but not equal: the warning says so.
+    """
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 10, size=(48, 6)).astype("int32")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,), dtype="int32")
+    hidden = keras.layers.Embedding(10, 8)(inputs)
+    outputs = {"a": keras.layers.Dense(10, name="a")(hidden), "b": keras.layers.Dense(10, name="b")(hidden)}
+    model = keras.Model(inputs, outputs)
+    masked = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)
+    model.compile("sgd", loss={"a": masked, "b": masked})
+    model.fit(ids, {"a": ids, "b": ids}, batch_size=16, epochs=2, verbose=0, callbacks=[fixed_split(4)])
+    told = [str(w.message) for w in recwarn if "some average over a mask" in str(w.message)]
+    assert len(told) == 1 and "has 2 loss terms" in told[0], told
+
+
 # Tests the JAX and PyTorch test modules import as they are (pytest
 # collects them there; this module's name is not a test file's).
+
+
+def test_several_masked_loss_terms_are_warned_about_once(recwarn):
+    assert_several_masked_loss_terms_are_warned_about_once(recwarn)
 
 
 def test_masked_losses_train_as_plain_fit():

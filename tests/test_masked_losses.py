@@ -21,6 +21,7 @@ from keras_memguard.backends.tensorflow.mixin import MemGuardMixin
 from split_cases import assert_added_losses_train_as_plain_fit
 from split_cases import assert_metric_functions_read_as_plain_fit
 from split_cases import test_masked_losses_train_as_plain_fit  # noqa: F401
+from split_cases import test_several_masked_loss_terms_are_warned_about_once  # noqa: F401
 
 VOCABULARY, TOKENS = 40, 12
 BATCH = 24

@@ -9,6 +9,8 @@ for a guarded `evaluate` or `predict`, and which metrics a micro-batched
 step updates per micro-batch (TensorFlow's step too).
 """
 
+import warnings
+
 import keras
 
 from keras_memguard import decider
@@ -254,3 +256,31 @@ def metrics_read_whole_batch_outputs(model, update_per_micro_batch=metrics_updat
     if compat.compiled_metrics(model) is None:
         return False
     return not update_per_micro_batch(model)
+
+
+# Set on a model once it was warned that its masked loss terms are combined
+# by their share of the samples.
+_MASKED_LOSSES_WARNED_ATTR = "_memguard_masked_losses_warned"
+
+
+def warn_masked_loss_terms_once(model, terms, micro_batches, stacklevel):
+    """Warns once per model that its masked loss terms are weighted by samples.
+
+    Exact combination needs every term of the loss to average over the same
+    elements (one masked loss on a model with one output); with several,
+    each micro-batch's loss is weighted by its share of the samples.
+    `stacklevel` as `warnings.warn` counts it from the caller.
+    """
+    if getattr(model, _MASKED_LOSSES_WARNED_ATTR, False):
+        return
+    object.__setattr__(model, _MASKED_LOSSES_WARNED_ATTR, True)
+    warnings.warn(
+        f"Model {model.name!r} has {terms} loss terms, and some average over "
+        "a mask (a Keras mask or `ignore_class`) or over their sample weights "
+        f"(`mean_with_sample_weight`). Under micro_batches={micro_batches} "
+        "each micro-batch's loss is weighted by its share of the samples, "
+        "not of what it averaged over: close to the whole batch's loss, not "
+        "equal to it. One such loss on a model with one output is combined "
+        "exactly.",
+        stacklevel=stacklevel + 1,
+    )

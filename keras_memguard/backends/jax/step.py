@@ -30,18 +30,14 @@ micro-batch), and several loss terms of which some average over a mask
 """
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 
 from keras_memguard.backends.shared import micro_batch_segments
+from keras_memguard.backends.shared import warn_masked_loss_terms_once
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.backends import compat
-
-# Set on a model once it was warned that its masked loss terms are combined
-# by their share of the samples.
-_MASKED_LOSSES_WARNED_ATTR = "_memguard_masked_losses_warned"
 
 
 def batch_size_of(data):
@@ -109,6 +105,7 @@ def micro_batch_train_step(model, state, data, micro_batches):
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     x, y, sample_weight = compat.unpack_data(data)
     batch_size = batch_size_of(data)
+
     def run(carry, part, share):
         gradients, non_trainable, metrics_variables, loss, elements = carry
         part_x, part_y, part_weight = part
@@ -203,18 +200,9 @@ def _weighted_loss(model, micro_batches, share):
         if len(masks) == 1 and compat.loss_term_count(model) <= 1:
             mask = jnp.stack([jnp.asarray(v, "float32") for v in masks[0]])
             return weighted(loss, aux, mask)
-        if masks and not getattr(model, _MASKED_LOSSES_WARNED_ATTR, False):
-            object.__setattr__(model, _MASKED_LOSSES_WARNED_ATTR, True)
-            warnings.warn(
-                f"Model {model.name!r} has "
-                f"{max(len(masks), compat.loss_term_count(model))} loss terms, "
-                "and some average over a mask (a Keras mask or `ignore_class`) "
-                "or over their sample weights (`mean_with_sample_weight`). "
-                f"Under micro_batches={micro_batches} each micro-batch's loss "
-                "is weighted by its share of the samples, not of what it "
-                "averaged over: close to the whole batch's loss, not equal to "
-                "it. One such loss on a model with one output is combined "
-                "exactly.",
+        if masks:
+            warn_masked_loss_terms_once(
+                model, max(len(masks), compat.loss_term_count(model)), micro_batches,
                 stacklevel=2,
             )
         return weighted(loss, aux, jnp.ones((2,), "float32"))

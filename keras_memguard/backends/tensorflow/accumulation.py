@@ -50,7 +50,6 @@ from keras_memguard.backends.tensorflow.xla_memory import uses_xla
 # ran: a `train_step` override that never calls it cannot be split.
 ACCUMULATED_ATTR = "_memguard_accumulated"
 _INPUT_LOSS_WARNED_ATTR = "_memguard_input_loss_warned"
-_MASKED_LOSSES_WARNED_ATTR = "_memguard_masked_losses_warned"
 
 
 class AccumulatedGradients(NamedTuple):
@@ -334,18 +333,9 @@ def _mask_share(model, masks, output_losses, micro_batches):
     """
     if len(masks) == 1 and len(output_losses) <= 1:
         return masks[0]
-    if masks and micro_batches > 1 and not getattr(model, _MASKED_LOSSES_WARNED_ATTR, False):
-        object.__setattr__(model, _MASKED_LOSSES_WARNED_ATTR, True)
-        warnings.warn(
-            f"Model {model.name!r} has {len(output_losses) or len(masks)} loss "
-            "terms, and some average over a mask (a Keras mask or "
-            "`ignore_class`) or over their sample weights "
-            f"(`mean_with_sample_weight`). Under micro_batches={micro_batches} "
-            "each micro-batch's loss is weighted by its share of the samples, "
-            "not of what it averaged over: close to the whole batch's loss, "
-            "not equal to it. One such loss on a model with one output is "
-            "combined exactly.",
-            stacklevel=2,
+    if masks and micro_batches > 1:
+        shared.warn_masked_loss_terms_once(
+            model, len(output_losses) or len(masks), micro_batches, stacklevel=2
         )
     return None
 

@@ -42,10 +42,10 @@ from keras_memguard.backends import compat
 from keras_memguard.backends.shared import metrics_read_whole_batch_outputs
 from keras_memguard.backends.shared import metrics_update_per_micro_batch
 from keras_memguard.backends.shared import micro_batch_segments
+from keras_memguard.backends.shared import warn_masked_loss_terms_once
 from keras_memguard.decider import validate_micro_batches
 
 MODES = ("accumulate", "shrink")
-_MASKED_LOSSES_WARNED_ATTR = "_memguard_masked_losses_warned"
 
 
 def validate_mode(mode):
@@ -197,17 +197,9 @@ def _exact_mask(model, masks, micro_batches):
     if len(masks) == 1 and compat.loss_term_count(model) <= 1:
         # Plain numbers: read without a gradient, the step weights by them.
         return tuple(float(keras.ops.convert_to_numpy(value)) for value in masks[0])
-    if masks and not getattr(model, _MASKED_LOSSES_WARNED_ATTR, False):
-        object.__setattr__(model, _MASKED_LOSSES_WARNED_ATTR, True)
-        warnings.warn(
-            f"Model {model.name!r} has {max(len(masks), compat.loss_term_count(model))} "
-            "loss terms, and some average over a mask (a Keras mask or "
-            "`ignore_class`) or over their sample weights "
-            f"(`mean_with_sample_weight`). Under micro_batches={micro_batches} "
-            "each micro-batch's loss is weighted by its share of the samples, "
-            "not of what it averaged over: close to the whole batch's loss, "
-            "not equal to it. One such loss on a model with one output is "
-            "combined exactly.",
+    if masks:
+        warn_masked_loss_terms_once(
+            model, max(len(masks), compat.loss_term_count(model)), micro_batches,
             stacklevel=3,
         )
     return None
