@@ -213,7 +213,7 @@ def test_jit_compiled_model_trains_and_evaluates_like_plain_xla_training():
 # --- Refusals at fit start: named, explained, nothing changed. ---
 
 
-def test_own_train_step_without_the_mixin_is_refused_and_the_model_trains_on():
+def test_micro_batches_asked_of_an_own_train_step_are_refused_and_the_model_trains_on():
     class Custom(keras.Model):
         def train_step(self, data):
             return super().train_step(data)
@@ -226,10 +226,12 @@ def test_own_train_step_without_the_mixin_is_refused_and_the_model_trains_on():
     model.fit(x, y, batch_size=50, verbose=0)
     weights = model.get_weights()
     train_function = model.train_function
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
     with pytest.raises(keras_memguard.UnsupportedTrainingSetupError) as info:
-        model.fit(x, y, verbose=0, callbacks=[keras_memguard.MemoryGuard(memory_limit=1 << 30)])
+        model.fit(x, y, verbose=0, callbacks=[guard])
     message = str(info.value)
     assert "MemoryGuard cannot micro-batch Custom" in message
+    assert "Received: micro_batches=4" in message, message
     assert "HINT" in message and "class Custom(MemGuardMixin, ...)" in message
     assert_weights_equal(model, weights, atol=0)
     assert model.train_function is train_function

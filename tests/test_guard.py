@@ -476,17 +476,40 @@ def test_shrink_mode_scales_a_float_learning_rate_and_restores_it():
 # --- Refusals and bad input. ---
 
 
-def test_guard_refuses_a_model_whose_own_train_step_ignores_the_mixin():
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["no_xla", "xla"])
+def test_an_own_train_step_without_the_mixin_trains_whole_as_plain_fit(caplog, jit_compile):
+    # It used to be refused at the start of `fit` (UnsupportedTrainingSetupError)
+    # where plain `fit` trains: nothing in another `train_step` can be split,
+    # so its batches run whole, with one warning that says why.
     class Custom(keras.Model):
         def train_step(self, data):
-            return super().train_step(data)
+            logs = super().train_step(data)
+            return {**logs, "own": 1.0}
 
-    inputs = keras.Input((16,))
-    model = Custom(inputs, keras.layers.Dense(1)(inputs))
-    model.compile("sgd", "mse")
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((24, 24, 3))
+        hidden = keras.layers.Dense(8, activation="relu")(keras.layers.Flatten()(inputs))
+        model = Custom(inputs, keras.layers.Dense(1)(hidden))
+        model.compile("adam", "mse", jit_compile=jit_compile)
+        return model
+
     x, y = make_data()
-    with pytest.raises(keras_memguard.UnsupportedTrainingSetupError, match="MemGuardMixin"):
-        model.fit(x, y, verbose=0, callbacks=[keras_memguard.MemoryGuard()])
+    plain = build()
+    want = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+    model = build()
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan_cache=False)
+    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
+        got = model.fit(
+            x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=[guard]
+        ).history
+        model.evaluate(x, y, batch_size=32, verbose=0, callbacks=[guard])
+    assert got["micro_batches"] == [1.0, 1.0]
+    assert got["loss"] == want["loss"] and got["own"] == [1.0, 1.0]
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    told = [r.getMessage() for r in caplog.records if "trains the batches of Custom whole" in r.getMessage()]
+    assert len(told) == 1 and "MemGuardMixin" in told[0], told
 
 
 def test_guard_refuses_to_start_without_a_memory_limit(monkeypatch):

@@ -117,6 +117,47 @@ def test_a_stateful_rnns_xla_step_that_cannot_fit_is_refused_before_it_runs():
     assert "Nothing ran" in result["error"], result
 
 
+@pytest.mark.parametrize("xla", [True, False], ids=["xla", "no_xla"])
+def test_a_gan_with_its_own_train_step_trains_whole_batches_under_a_cap(xla):
+    # keras.io's DCGAN: its own `compile` (two optimizers) and `train_step`.
+    # The guard used to refuse it at the start of `fit` where plain `fit`
+    # trains; its batches now run whole, as in plain `fit` (which trains
+    # under 170 MiB with XLA, not under 160).
+    result = _run(200, "gan", *([] if xla else ["off"]), as_gpu=True)
+    assert result["jit_compile"] is xla, result
+    assert result["error"] is None, result
+    assert result["batches"] == result["expected_batches"] == 8, result
+    assert result["ks"] == [1] * 8 and result["oom_recoveries"] == 0, result
+    assert all(math.isfinite(v) for v in result["d_loss"]), result
+    assert any("trains the batches of GAN whole" in m for m in result["messages"])
+
+
+def test_a_gans_xla_step_whose_buffers_find_no_place_is_refused_before_it_runs():
+    # 150 MiB: the step's 75 MiB beside 10 MiB in use fits the limit in
+    # total, but its 75 MiB buffer is over half the free block, which the
+    # allocator then hands it whole: plain `fit` runs out of memory inside
+    # the XLA program and the process aborts. The guard tries the buffers
+    # first and stops before the step runs.
+    result = _run(150, "gan", as_gpu=True)
+    assert result["jit_compile"] is True, result
+    assert result["batches"] == 0, result
+    error = result["error"]
+    assert error.startswith("MicroBatchTooLargeError: The XLA-compiled step"), result
+    assert "found no place in the free memory" in error, error
+    assert "the own `train_step` of GAN runs the whole batch. Nothing ran." in error, error
+
+
+def test_a_gans_batch_that_cannot_fit_is_named_after_one_error_without_xla():
+    result = _run(50, "gan", "off", as_gpu=True)
+    assert result["jit_compile"] is False, result
+    assert result["batches"] == 0, result
+    assert result["error"].startswith(
+        "MicroBatchTooLargeError: Out of memory on a batch of 64 samples, which "
+        "MemoryGuard cannot split: the own `train_step` of GAN"
+    ), result
+    assert "find_batch_size" in result["error"], result
+
+
 def test_an_optimizer_update_that_cannot_fit_is_named_after_one_error():
     # 70 MiB: Adam's update of a 60000x64 embedding does not fit beside the
     # weights and slots (47 MiB) at any batch size, in plain `fit` too. The

@@ -152,14 +152,58 @@ def memory_limit_unknown(devices, backend="tensorflow"):
     )
 
 
-def own_train_step(class_name):
-    """`UnsupportedTrainingSetupError`'s text for a model with its own step."""
+def own_train_step(class_name, micro_batches):
+    """`UnsupportedTrainingSetupError`'s text for micro-batches asked of a model's own step."""
     return (
         f"MemoryGuard cannot micro-batch {class_name}: its own "
-        "`train_step` does not use keras_memguard's machinery. HINT: "
-        "mix `keras_memguard.MemGuardMixin` into the class "
+        "`train_step` does not use keras_memguard's machinery. Received: "
+        f"micro_batches={micro_batches}. HINT: leave `micro_batches` at 1 "
+        "(the guard then trains whole batches and watches memory), or mix "
+        "`keras_memguard.MemGuardMixin` into the class "
         f"(`class {class_name}(MemGuardMixin, ...)`) and build "
         "the override on `self.accumulate_gradients(...)`."
+    )
+
+
+def own_step_whole_batches(class_name):
+    """The warning when a model's batches are trained whole (its own `train_step`)."""
+    return (
+        f"MemoryGuard trains the batches of {class_name} whole: its own "
+        "`train_step` does not use keras_memguard's machinery, so a batch "
+        "cannot be split into micro-batches. The guard watches memory, "
+        "explains an out-of-memory error and, on XLA, stops before a step "
+        "that cannot fit runs. HINT: to have batches split when memory runs "
+        "short, mix `keras_memguard.MemGuardMixin` into the class "
+        f"(`class {class_name}(MemGuardMixin, ...)`) and build the override "
+        "on `self.accumulate_gradients(...)`."
+    )
+
+
+def own_step_out_of_memory(batch_size, class_name):
+    """`MicroBatchTooLargeError`'s text when a batch of a model's own step does not fit."""
+    return (
+        f"Out of memory on a batch of {_samples(batch_size)}, which MemoryGuard "
+        f"cannot split: the own `train_step` of {class_name} runs the whole "
+        "batch. HINT: pass a smaller `batch_size` to `fit` "
+        "(`keras_memguard.find_batch_size` finds one), or mix "
+        "`keras_memguard.MemGuardMixin` into the class and build the "
+        "override on `self.accumulate_gradients(...)`."
+    )
+
+
+def own_step_too_large(batch_size, class_name, needed, in_use, limit, no_block=None):
+    """`MicroBatchTooLargeError`'s text when the XLA step of a model's own `train_step` cannot fit.
+
+    `no_block`: as in `stateful_step_too_large`.
+    """
+    return (
+        _whole_step_needs(batch_size, needed, in_use, limit, no_block)
+        + ", and MemoryGuard cannot split it: the own "
+        f"`train_step` of {class_name} runs the whole batch. Nothing ran. "
+        "HINT: pass a smaller `batch_size` to `fit` "
+        "(`keras_memguard.find_batch_size` finds one), or mix "
+        "`keras_memguard.MemGuardMixin` into the class and build the "
+        "override on `self.accumulate_gradients(...)`."
     )
 
 
@@ -220,25 +264,48 @@ def stateful_out_of_memory(batch_size, layers, evaluating=False):
     )
 
 
-def stateful_step_too_large(batch_size, layers, needed, in_use, limit):
-    """`MicroBatchTooLargeError`'s text when a stateful model's XLA step cannot fit."""
-    return (
+def _whole_step_needs(batch_size, needed, in_use, limit, no_block):
+    """What a whole XLA step needs that the memory cannot give."""
+    start = (
         f"The XLA-compiled step of a batch of {_samples(batch_size)} needs "
-        f"{_mib(needed)} beside {_mib(in_use)} in use, over the memory limit "
-        f"of {_mib(limit)}, and MemoryGuard cannot split it: the stateful "
+        f"{_mib(needed)} beside {_mib(in_use)} in use, "
+    )
+    if no_block is None:
+        return start + f"over the memory limit of {_mib(limit)}"
+    return start + (
+        f"under the memory limit of {_mib(limit)}, but its largest buffer "
+        f"({_mib(no_block)}, allocated in one piece) found no place in the "
+        "free memory that leaves room for the rest (the allocator hands a "
+        "buffer over half a free block the whole block)"
+    )
+
+
+def stateful_step_too_large(batch_size, layers, needed, in_use, limit, no_block=None):
+    """`MicroBatchTooLargeError`'s text when a stateful model's XLA step cannot fit.
+
+    `no_block`: the largest buffer's bytes where the step fits in total but
+    its buffers found no place (`xla_memory.allocates`), else `None`.
+    """
+    return (
+        _whole_step_needs(batch_size, needed, in_use, limit, no_block)
+        + ", and MemoryGuard cannot split it: the stateful "
         f"layers {_names(layers)} keep one state row per sample of the batch. "
         "Nothing ran. HINT: lower the batch size of the layers' `batch_shape` "
         "(and `fit`'s), or use mixed precision or a smaller model."
     )
 
 
-def cap_reached(micro_batches, batch_size, evaluating=False, stateful=()):
+def cap_reached(micro_batches, batch_size, evaluating=False, stateful=(), own_step=None):
     """`MicroBatchTooLargeError`'s text when `max_micro_batches` is reached.
 
-    `stateful`: the names of the layers that cap the count at one, if any.
+    `stateful`: the names of the layers that cap the count at one, if any;
+    `own_step`: the class name of a model whose own `train_step` does (in
+    training), or `None`.
     """
     if stateful:
         return stateful_out_of_memory(batch_size, stateful, evaluating)
+    if own_step and not evaluating:
+        return own_step_out_of_memory(batch_size, own_step)
     if evaluating:
         return (
             f"Out of memory evaluating at {micro_batches} micro-batches, "

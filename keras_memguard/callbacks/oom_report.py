@@ -101,7 +101,8 @@ def cannot_split_error(
         message = messages.allocation_does_not_shrink(decided.reason, batch_size, peak, limit)
     else:
         message = messages.cap_reached(
-            micro_batches, batch_size, evaluating, session.stateful_layers
+            micro_batches, batch_size, evaluating, session.stateful_layers,
+            session.own_train_step,
         )
     return MicroBatchTooLargeError(prefix + message, peak_bytes=peak, limit_bytes=limit)
 

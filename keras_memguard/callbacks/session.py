@@ -23,6 +23,7 @@ from keras_memguard.callbacks.controller import GuardController
 from keras_memguard.callbacks.sampling import resolve_limits
 from keras_memguard.callbacks.sampling import shared_reader
 from keras_memguard.errors import MemoryLimitUnknownError
+from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.sinks import tensorboard as tb
 from keras_memguard.whole_batches import check_micro_batches
 from keras_memguard.whole_batches import stateful_layers
@@ -133,6 +134,12 @@ class GuardSession:
         self._inference_controllers = {}
         # The model's stateful layers, whose batches run whole (`attach`).
         self.stateful_layers = ()
+        # The class name of a model whose own `train_step` trains its
+        # batches whole (`train_whole_batches`), or `None`.
+        self.own_train_step = None
+        # The configuration of `evaluate` and `predict`, where training's
+        # count is capped for a reason theirs is not; `None`: `config`.
+        self._inference_config = None
 
     # The model and its limits.
 
@@ -147,6 +154,11 @@ class GuardSession:
             UnsupportedTrainingSetupError: If `micro_batches` above one was
                 asked for a model with stateful layers.
         """
+        if self.own_train_step is not None and model is not self.model:
+            # Another model: its own step, if any, is found again.
+            self.config = self._inference_config or self.config
+            self.controller.config = self.config
+            self.own_train_step = self._inference_config = None
         self.model = model
         self.reader = shared_reader(model)
         self.reader.register(self, self.options.memory_limit)
@@ -161,6 +173,36 @@ class GuardSession:
             self.controller.set_micro_batches(1)
             for controller in self._inference_controllers.values():
                 controller.config = self.config
+
+    def train_whole_batches(self, class_name):
+        """Trains the batches of a model with its own `train_step` whole.
+
+        Nothing inside another `train_step` can be split: the training count
+        is capped at one, as plain `fit` runs it, and the guard watches
+        memory and explains an out-of-memory error (the backend's run reads
+        an XLA step before it runs). `evaluate` and `predict`, which do not
+        go through `train_step`, keep their slices. Warns once per session.
+
+        Args:
+            class_name: The model's class name, for the messages.
+
+        Raises:
+            UnsupportedTrainingSetupError: If `micro_batches` above one was
+                asked for.
+        """
+        if self.options.micro_batches > 1:
+            raise UnsupportedTrainingSetupError(
+                messages.own_train_step(class_name, self.options.micro_batches)
+            )
+        if self.own_train_step is None:
+            logger.warning("%s", messages.own_step_whole_batches(class_name))
+        self.own_train_step = class_name
+        if self.config.max_micro_batches != 1:
+            if self._inference_config is None:
+                self._inference_config = self.config
+            self.config = self.config._replace(max_micro_batches=1)
+            self.controller.config = self.config
+            self.controller.set_micro_batches(1)
 
     def collect_garbage_once(self):
         """Collects Python's garbage before the first batch this guard measures.
@@ -342,7 +384,8 @@ class GuardSession:
         """
         controller = self._inference_controllers.get(kind)
         if controller is None:
-            controller = self._inference_controllers[kind] = GuardController(self.config)
+            config = self._inference_config or self.config
+            controller = self._inference_controllers[kind] = GuardController(config)
         return controller
 
     def inference_oom_count(self, kind):

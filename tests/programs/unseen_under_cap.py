@@ -43,6 +43,13 @@ them on a GPU (`jit_compile="auto"`, XLA; with `off`, without),
 and `predict` at 32: the batches run whole, as in plain `fit`, or the
 guard says before a step runs that one cannot fit.
 
+`gan [off] [plain]`: keras.io's DCGAN (its own `compile` with two
+optimizers and its own `train_step`, which keras_memguard cannot split) on
+numpy images, compiled as Keras compiles it on a GPU (XLA; with `off`,
+without), `fit(batch_size=64)` under `MemoryGuard`, or with `plain`
+without it: the batches train whole, as in plain `fit`, or the guard says
+before an XLA step runs that it cannot fit.
+
 `large_embedding`: a bag-of-words classifier whose `Embedding` holds
 60000 rows of 64 (14.6 MiB; Adam's slots twice that), `fit(batch_size=512)`
 under `MemoryGuard` where Adam's update of the embedding cannot fit beside
@@ -286,6 +293,116 @@ def stateful(xla):
     emit_result(result)
 
 
+class GAN(keras.Model):
+    """keras.io's DCGAN: its own `compile` and `train_step`, two optimizers."""
+
+    def __init__(self, discriminator, generator, latent_dim):
+        super().__init__()
+        self.discriminator = discriminator
+        self.generator = generator
+        self.latent_dim = latent_dim
+        self.seed_generator = keras.random.SeedGenerator(1337)
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn, **kwargs):
+        super().compile(**kwargs)
+        self.d_optimizer = d_optimizer
+        self.g_optimizer = g_optimizer
+        self.loss_fn = loss_fn
+        self.d_loss_metric = keras.metrics.Mean(name="d_loss")
+        self.g_loss_metric = keras.metrics.Mean(name="g_loss")
+
+    @property
+    def metrics(self):
+        return [self.d_loss_metric, self.g_loss_metric]
+
+    def train_step(self, real_images):
+        import tensorflow as tf
+
+        ops = keras.ops
+        batch_size = ops.shape(real_images)[0]
+        z = keras.random.normal((batch_size, self.latent_dim), seed=self.seed_generator)
+        combined = ops.concatenate([self.generator(z), real_images], axis=0)
+        labels = ops.concatenate([ops.ones((batch_size, 1)), ops.zeros((batch_size, 1))], axis=0)
+        with tf.GradientTape() as tape:
+            d_loss = self.loss_fn(labels, self.discriminator(combined))
+        grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
+        self.d_optimizer.apply_gradients(zip(grads, self.discriminator.trainable_weights))
+        z = keras.random.normal((batch_size, self.latent_dim), seed=self.seed_generator)
+        with tf.GradientTape() as tape:
+            fooled = self.discriminator(self.generator(z))
+            g_loss = self.loss_fn(ops.zeros((batch_size, 1)), fooled)
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
+        self.d_loss_metric.update_state(d_loss)
+        self.g_loss_metric.update_state(g_loss)
+        return {"d_loss": self.d_loss_metric.result(), "g_loss": self.g_loss_metric.result()}
+
+
+def tf_peak_mib():
+    """The allocator's peak so far, in MiB."""
+    import tensorflow as tf
+
+    return tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20
+
+
+def gan(xla, guarded):
+    """`gan` of the module docstring."""
+    layers = keras.layers
+    messages = collect_package_messages()
+    keras.utils.set_random_seed(0)
+    latent = 64
+    discriminator = keras.Sequential([
+        keras.Input((32, 32, 3)),
+        layers.Conv2D(32, 4, strides=2, padding="same"),
+        layers.LeakyReLU(0.2),
+        layers.Conv2D(64, 4, strides=2, padding="same"),
+        layers.LeakyReLU(0.2),
+        layers.GlobalMaxPooling2D(),
+        layers.Dense(1),
+    ])
+    generator = keras.Sequential([
+        keras.Input((latent,)),
+        layers.Dense(8 * 8 * 64),
+        layers.LeakyReLU(0.2),
+        layers.Reshape((8, 8, 64)),
+        layers.Conv2DTranspose(64, 4, strides=2, padding="same"),
+        layers.LeakyReLU(0.2),
+        layers.Conv2DTranspose(64, 4, strides=2, padding="same"),
+        layers.LeakyReLU(0.2),
+        layers.Conv2D(3, 5, padding="same", activation="sigmoid"),
+    ])
+    model = GAN(discriminator, generator, latent)
+    model.compile(
+        keras.optimizers.Adam(3e-4),
+        keras.optimizers.Adam(3e-4),
+        keras.losses.BinaryCrossentropy(from_logits=True),
+        jit_compile="auto" if xla else False,
+    )
+    x = np.random.default_rng(0).random((256, 32, 32, 3), dtype=np.float32)
+    ks = MicroBatchCounts()
+    guard = keras_memguard.MemoryGuard(plan_cache=False) if guarded else None
+    result = {"error": None, "d_loss": None}
+    try:
+        history = model.fit(
+            x, batch_size=64, epochs=2, verbose=0,
+            callbacks=[guard, keras_memguard.MemoryMonitor(), ks] if guarded else [],
+        )
+        result["d_loss"] = history.history["d_loss"]
+    except Exception as raised:  # noqa: BLE001 - reported to the test.
+        result["error"] = f"{type(raised).__name__}: {raised}"
+    result.update(
+        jit_compile=bool(model.jit_compile),
+        batches=len(ks.ks),
+        expected_batches=2 * len(x) // 64,
+        ks=ks.ks,
+        usages=ks.usages,
+        peak_mib=tf_peak_mib(),
+        oom_recoveries=guard.oom_recoveries if guard else 0,
+        messages=list(messages),
+    )
+    emit_result(result)
+
+
 def large_embedding():
     """`large_embedding` of the module docstring."""
     keras.utils.set_random_seed(0)
@@ -305,6 +422,8 @@ def main():
     name, options = sys.argv[1], sys.argv[2:]
     if name == "stateful":
         return stateful(xla="off" not in options)
+    if name == "gan":
+        return gan(xla="off" not in options, guarded="plain" not in options)
     if name == "xla_evaluate":
         evaluate_beyond_the_cap()
     if name == "fine_tune":

@@ -88,6 +88,9 @@ class TfTrainingRun:
         # went past both.
         self.xla = False
         self._compiled_plans = {}
+        # Batch shapes whose whole step (stateful layers, a step of the
+        # model's own) was read and probed, and fits.
+        self._whole_checked = set()
         self._compiled_plan = None
         self._block_rounding = 0
         self._xla_margin = 0
@@ -95,7 +98,8 @@ class TfTrainingRun:
     def begin(self):
         """Checks the model, starts the decider where no plan hook will, installs."""
         session, model = self.session, self.model
-        _check_model(model)
+        if not _trains_with_default_step(model):
+            session.train_whole_batches(type(model).__name__)
         self.multi_worker = multi_worker.is_multi_worker(model.distribute_strategy)
         self.xla = xla_memory.uses_xla(model) and not self.multi_worker
         if not self.multi_worker and compat.summed_added_losses(model) is None:
@@ -319,18 +323,37 @@ class TfTrainingRun:
                 lambda: xla_memory.step_memory(self.function.step_for(count), data, count),
             )
 
-        if session.stateful_layers:
+        if session.stateful_layers or session.own_train_step:
             # Whole batches only: the step runs as in plain `fit`, unless its
-            # program cannot fit beside the memory in use at all.
+            # program cannot fit beside the memory in use at all, or its
+            # buffers find no place in the free memory (an error inside the
+            # program would end the process). Read once per batch shapes.
             memory = analyse(1)
-            if memory is not None and (before or 0) + memory.demand_bytes > limit:
-                raise MicroBatchTooLargeError(
-                    messages.stateful_step_too_large(
-                        batch_size, session.stateful_layers, memory.demand_bytes,
-                        before or 0, limit,
-                    ),
-                    limit_bytes=limit,
+            if memory is None or shapes in self._whole_checked:
+                return 1
+            no_block = None
+            fits = (before or 0) + memory.demand_bytes <= limit
+            if fits:
+                probe = xla_memory.allocates(
+                    memory, lambda: self._in_use(session.read_aside())
                 )
+                # The probe's blocks are not the step's peak.
+                session.read_aside()
+                if probe.beyond_bytes is None:
+                    fits, no_block = False, memory.largest_allocation_bytes
+            if not fits:
+                if session.stateful_layers:
+                    message = messages.stateful_step_too_large(
+                        batch_size, session.stateful_layers, memory.demand_bytes,
+                        before or 0, limit, no_block,
+                    )
+                else:
+                    message = messages.own_step_too_large(
+                        batch_size, session.own_train_step, memory.demand_bytes,
+                        before or 0, limit, no_block,
+                    )
+                raise MicroBatchTooLargeError(message, limit_bytes=limit)
+            self._whole_checked.add(shapes)
             return 1
         planned, rounding = self._compiled_plans.get(shapes, (None, 0))
         in_use = before or 0
@@ -729,6 +752,7 @@ class TfTrainingRun:
         messages.log_accumulation_off(why, gradient_bytes(self.model))
         self.function.mode = "shrink"
         self._compiled_plans.clear()
+        self._whole_checked.clear()
         self._plan_anew()
         self.apply(self.function.micro_batches)
         return True
@@ -845,9 +869,6 @@ def _shapes_of(data):
     )
 
 
-def _check_model(model):
-    trains_with_default_step = (
-        type(model).train_step is keras.Model.train_step or isinstance(model, MemGuardMixin)
-    )
-    if not trains_with_default_step:
-        raise UnsupportedTrainingSetupError(messages.own_train_step(type(model).__name__))
+def _trains_with_default_step(model):
+    """Whether `model` trains with Keras' own step or the mixin's (both split)."""
+    return type(model).train_step is keras.Model.train_step or isinstance(model, MemGuardMixin)

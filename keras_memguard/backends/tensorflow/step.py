@@ -346,9 +346,16 @@ def step_body(model, micro_batches, mode):
     A `MemGuardMixin` model runs its own (maybe overridden) `train_step`
     with `micro_batches` pinned to this `k`; an override that does not go
     through `accumulate_gradients` is refused at `k > 1` (it would report
-    `k` micro-batches while running the whole batch).
+    `k` micro-batches while running the whole batch). Any other model with
+    a `train_step` of its own runs it, whole, at `k = 1` only.
     """
     pinned = getattr(model, "_memguard_train_step_for", None)
+    if pinned is None and trains_with_own_step(model):
+        # A step of the model's own, outside the mixin: nothing in it can be
+        # split, so it runs whole (the guard caps the count at one).
+        if micro_batches > 1:
+            raise _refusal(model, micro_batches)
+        return model.train_step
     if pinned is None:
 
         def train_step(data):
