@@ -19,10 +19,19 @@ fraction start clean:
   at a batch that does not fit it in one piece, with the given
   `MemoryGuard`; prints the out-of-memory errors recovered from, the
   micro-batch counts, the peak, and an error that escaped `fit`, if any.
+- `own_step`: a CNN class with a `train_step` of its own (Keras' step, its
+  loss halved, one more log), trained by plain `fit` and under
+  `MemoryGuard` from the same weights at a batch that fits: the largest
+  weight difference (relative to the weight's largest magnitude), both
+  runs' logs. On CUDA then, under the
+  limit `--limit-mib`, a batch that does not fit: what plain `fit` raises,
+  what the guard raises, and whether the guarded model then trains a
+  smaller batch in the same process. Without CUDA the first half runs on
+  the CPU (a smoke run).
 
 Prints one JSON line per figure: `{"part", "figure", "value", "unit"}`.
 
-Run: python bench/torch_backend/bench_torch_gpu.py [--parts probe,monitor,guard]
+Run: python bench/torch_backend/bench_torch_gpu.py [--parts probe,monitor,guard,own_step]
 """
 
 import argparse
@@ -34,9 +43,9 @@ import tempfile
 import timeit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PARTS = ("probe", "monitor", "guard")
-# Seconds each part's process may take: together under three minutes.
-PART_TIMEOUT_S = {"probe": 50, "monitor": 50, "guard": 75}
+PARTS = ("probe", "monitor", "guard", "own_step")
+# Seconds each part's process may take: together under five minutes.
+PART_TIMEOUT_S = {"probe": 50, "monitor": 50, "guard": 75, "own_step": 90}
 _MIB = 2**20
 
 
@@ -286,6 +295,89 @@ def part_guard(limit_mib, batch):
     run_guard(guard, limit_mib=limit_mib, batch=batch)
 
 
+def _own_step_cnn(keras, size):
+    """`_cnn`'s layers in a class whose `train_step` is its own."""
+
+    class OwnStepCNN(keras.Sequential):
+        def train_step(self, data):
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            y_pred = self(x, training=True)
+            loss = 0.5 * self.compute_loss(x=x, y=y, y_pred=y_pred,
+                                           sample_weight=sample_weight)
+            self.zero_grad()
+            loss.backward()
+            weights = self.trainable_weights
+            self.optimizer.apply([w.value.grad for w in weights], weights)
+            return {"half_loss": loss.detach(), "own": 1.0}
+
+    layers = _cnn(keras, size).layers
+    keras.utils.set_random_seed(0)
+    model = OwnStepCNN([keras.Input((size, size, 3))] + [
+        type(layer).from_config(layer.get_config()) for layer in layers])
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _fit_error(model, x, y, batch, callbacks):
+    try:
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=callbacks)
+    except Exception as e:  # The figure to report: what `fit` raised.
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    return None
+
+
+def part_own_step(limit_mib, batch):
+    import keras
+    import numpy as np
+    import torch
+
+    import keras_memguard
+
+    cuda = torch.cuda.is_available()
+    small, steps, size = (64, 4, 64) if cuda else (16, 2, 16)
+    emit("own_step", "device", "cuda" if cuda else "cpu")
+    x, y = _data(small, steps, size)
+    plain, guarded = _own_step_cnn(keras, size), _own_step_cnn(keras, size)
+    fit = dict(batch_size=small, epochs=2, verbose=0, shuffle=False)
+    keras.utils.set_random_seed(1)
+    want = plain.fit(x, y, **fit).history
+    guard = keras_memguard.MemoryGuard(memory_limit=None if cuda else 2**34, plan_cache=False)
+    keras.utils.set_random_seed(1)
+    got = guarded.fit(x, y, callbacks=[guard], **fit).history
+    # Each weight's largest difference against its largest magnitude.
+    difference = max(
+        float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(a))), 1e-12))
+        for a, b in zip(plain.get_weights(), guarded.get_weights())
+    )
+    emit("own_step", "batch_size_fits", small)
+    emit("own_step", "plain_half_loss", want.get("half_loss"))
+    emit("own_step", "guard_half_loss", got.get("half_loss"))
+    emit("own_step", "guard_own_log", got.get("own"))
+    emit("own_step", "guard_micro_batches", got.get("micro_batches"))
+    emit("own_step", "largest_relative_weight_difference", difference)
+    if not cuda:
+        print("CUDA is absent: the own_step part's out-of-memory half needs a "
+              "CUDA device; skipped.", flush=True)
+        return
+    index = torch.cuda.current_device()
+    _, total = torch.cuda.mem_get_info(index)
+    torch.cuda.set_per_process_memory_fraction(limit_mib * _MIB / total, index)
+    x, y = _data(batch, 2, size)
+    emit("own_step", "limit", limit_mib, "MiB")
+    emit("own_step", "batch_size_too_large", batch)
+    emit("own_step", "plain_error", _fit_error(_own_step_cnn(keras, size), x, y, batch, []))
+    torch.cuda.empty_cache()
+    model = _own_step_cnn(keras, size)
+    guard = keras_memguard.MemoryGuard(plan_cache=False)
+    emit("own_step", "guard_error", _fit_error(model, x, y, batch, [guard]))
+    torch.cuda.empty_cache()
+    emit("own_step", "guard_then_fits_at", small)
+    emit("own_step", "guard_then_error",
+         _fit_error(model, x[: small * 2], y[: small * 2], small,
+                    [keras_memguard.MemoryGuard(plan_cache=False)]))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default=",".join(PARTS))
@@ -300,7 +392,8 @@ def main():
             sys.path.insert(0, ROOT)
         {"probe": part_probe,
          "monitor": part_monitor,
-         "guard": lambda: part_guard(args.limit_mib, args.batch_size)}[args.in_process]()
+         "guard": lambda: part_guard(args.limit_mib, args.batch_size),
+         "own_step": lambda: part_own_step(args.limit_mib, args.batch_size)}[args.in_process]()
         return
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))

@@ -152,58 +152,70 @@ def memory_limit_unknown(devices, backend="tensorflow"):
     )
 
 
-def own_train_step(class_name, micro_batches):
+def own_step_split_hint(class_name, backend):
+    """How a model with its own `train_step` gets batches that split, on `backend`."""
+    if backend == "tensorflow":
+        return (
+            "mix `keras_memguard.MemGuardMixin` into the class "
+            f"(`class {class_name}(MemGuardMixin, ...)`) and build the "
+            "override on `self.accumulate_gradients(...)`"
+        )
+    return (
+        "move the loss into `compute_loss` and drop the `train_step` "
+        "override (Keras' own step is split)"
+    )
+
+
+def own_train_step(class_name, micro_batches, split_hint):
     """`UnsupportedTrainingSetupError`'s text for micro-batches asked of a model's own step."""
     return (
         f"MemoryGuard cannot micro-batch {class_name}: its own "
         "`train_step` does not use keras_memguard's machinery. Received: "
         f"micro_batches={micro_batches}. HINT: leave `micro_batches` at 1 "
-        "(the guard then trains whole batches and watches memory), or mix "
-        "`keras_memguard.MemGuardMixin` into the class "
-        f"(`class {class_name}(MemGuardMixin, ...)`) and build "
-        "the override on `self.accumulate_gradients(...)`."
+        "(the guard then trains whole batches and watches memory), or "
+        f"{split_hint}."
     )
 
 
-def own_step_whole_batches(class_name):
+def own_step_whole_batches(class_name, split_hint):
     """The warning when a model's batches are trained whole (its own `train_step`)."""
     return (
         f"MemoryGuard trains the batches of {class_name} whole: its own "
         "`train_step` does not use keras_memguard's machinery, so a batch "
-        "cannot be split into micro-batches. The guard watches memory, "
-        "explains an out-of-memory error and, on XLA, stops before a step "
-        "that cannot fit runs. HINT: to have batches split when memory runs "
-        "short, mix `keras_memguard.MemGuardMixin` into the class "
-        f"(`class {class_name}(MemGuardMixin, ...)`) and build the override "
-        "on `self.accumulate_gradients(...)`."
+        "cannot be split into micro-batches. The guard watches memory and "
+        "explains an out-of-memory error (on XLA it stops before a step "
+        "that cannot fit runs). HINT: to have batches split when memory "
+        f"runs short, {split_hint}."
     )
 
 
-def own_step_out_of_memory(batch_size, class_name):
-    """`MicroBatchTooLargeError`'s text when a batch of a model's own step does not fit."""
+def own_step_out_of_memory(batch_size, own_step):
+    """`MicroBatchTooLargeError`'s text when a batch of a model's own step does not fit.
+
+    `own_step`: `(class_name, split_hint)`.
+    """
+    class_name, split_hint = own_step
     return (
         f"Out of memory on a batch of {_samples(batch_size)}, which MemoryGuard "
         f"cannot split: the own `train_step` of {class_name} runs the whole "
         "batch. HINT: pass a smaller `batch_size` to `fit` "
-        "(`keras_memguard.find_batch_size` finds one), or mix "
-        "`keras_memguard.MemGuardMixin` into the class and build the "
-        "override on `self.accumulate_gradients(...)`."
+        f"(`keras_memguard.find_batch_size` finds one), or {split_hint}."
     )
 
 
-def own_step_too_large(batch_size, class_name, needed, in_use, limit, no_block=None):
+def own_step_too_large(batch_size, own_step, needed, in_use, limit, no_block=None):
     """`MicroBatchTooLargeError`'s text when the XLA step of a model's own `train_step` cannot fit.
 
-    `no_block`: as in `stateful_step_too_large`.
+    `own_step`: `(class_name, split_hint)`; `no_block`: as in
+    `stateful_step_too_large`.
     """
+    class_name, split_hint = own_step
     return (
         _whole_step_needs(batch_size, needed, in_use, limit, no_block)
         + ", and MemoryGuard cannot split it: the own "
         f"`train_step` of {class_name} runs the whole batch. Nothing ran. "
         "HINT: pass a smaller `batch_size` to `fit` "
-        "(`keras_memguard.find_batch_size` finds one), or mix "
-        "`keras_memguard.MemGuardMixin` into the class and build the "
-        "override on `self.accumulate_gradients(...)`."
+        f"(`keras_memguard.find_batch_size` finds one), or {split_hint}."
     )
 
 
@@ -299,8 +311,8 @@ def cap_reached(micro_batches, batch_size, evaluating=False, stateful=(), own_st
     """`MicroBatchTooLargeError`'s text when `max_micro_batches` is reached.
 
     `stateful`: the names of the layers that cap the count at one, if any;
-    `own_step`: the class name of a model whose own `train_step` does (in
-    training), or `None`.
+    `own_step`: `(class_name, split_hint)` of a model whose own
+    `train_step` does (in training), or `None`.
     """
     if stateful:
         return stateful_out_of_memory(batch_size, stateful, evaluating)

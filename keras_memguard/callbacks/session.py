@@ -134,8 +134,8 @@ class GuardSession:
         self._inference_controllers = {}
         # The model's stateful layers, whose batches run whole (`attach`).
         self.stateful_layers = ()
-        # The class name of a model whose own `train_step` trains its
-        # batches whole (`train_whole_batches`), or `None`.
+        # `(class_name, split_hint)` of a model whose own `train_step`
+        # trains its batches whole (`train_whole_batches`), or `None`.
         self.own_train_step = None
         # The configuration of `evaluate` and `predict`, where training's
         # count is capped for a reason theirs is not; `None`: `config`.
@@ -174,7 +174,7 @@ class GuardSession:
             for controller in self._inference_controllers.values():
                 controller.config = self.config
 
-    def train_whole_batches(self, class_name):
+    def train_whole_batches(self, class_name, backend):
         """Trains the batches of a model with its own `train_step` whole.
 
         Nothing inside another `train_step` can be split: the training count
@@ -185,18 +185,20 @@ class GuardSession:
 
         Args:
             class_name: The model's class name, for the messages.
+            backend: The Keras backend's name (the messages' hints differ).
 
         Raises:
             UnsupportedTrainingSetupError: If `micro_batches` above one was
                 asked for.
         """
+        hint = messages.own_step_split_hint(class_name, backend)
         if self.options.micro_batches > 1:
             raise UnsupportedTrainingSetupError(
-                messages.own_train_step(class_name, self.options.micro_batches)
+                messages.own_train_step(class_name, self.options.micro_batches, hint)
             )
         if self.own_train_step is None:
-            logger.warning("%s", messages.own_step_whole_batches(class_name))
-        self.own_train_step = class_name
+            logger.warning("%s", messages.own_step_whole_batches(class_name, hint))
+        self.own_train_step = (class_name, hint)
         if self.config.max_micro_batches != 1:
             if self._inference_config is None:
                 self._inference_config = self.config

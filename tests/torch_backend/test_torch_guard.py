@@ -495,6 +495,66 @@ def test_micro_batches_of_a_stateful_rnn_are_refused_and_so_is_a_batch_size_sear
         np.testing.assert_array_equal(got, want)
 
 
+class OwnStepSequential(keras.Sequential):
+    """A `train_step` of its own: Keras' step, its loss halved, one more log."""
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self(x, training=True)
+        loss = 0.5 * self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+        self.zero_grad()
+        loss.backward()
+        weights = self.trainable_weights
+        self.optimizer.apply([w.value.grad for w in weights], weights)
+        return {"half_loss": loss.detach(), "own": 1.0}
+
+
+def test_an_own_train_step_trains_whole_batches_as_plain_fit(caplog):
+    # The guard used to train such a model with Keras' own step instead,
+    # silently (another loss, the step's own logs gone).
+    def build():
+        keras.utils.set_random_seed(0)
+        model = OwnStepSequential([
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dropout(0.3),
+            keras.layers.Dense(3, activation="softmax"),
+        ])
+        model.compile("adam", "sparse_categorical_crossentropy")
+        return model
+
+    x, y = mlp_data()
+    plain, model = build(), build()
+    # Dropout draws from torch's global generator: the same draws for both.
+    keras.utils.set_random_seed(1)
+    want = plain.fit(x, y, **FIT).history
+    guard = keras_memguard.MemoryGuard(memory_limit=BIG, plan_cache=False)
+    keras.utils.set_random_seed(1)
+    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
+        got = model.fit(x, y, callbacks=[guard], **FIT).history
+    assert got["micro_batches"] == [1, 1] and got["own"] == [1.0, 1.0], got
+    assert max_relative_difference(model, plain) < 1e-6
+    np.testing.assert_allclose(got["half_loss"], want["half_loss"], rtol=1e-6)
+    told = [r.getMessage() for r in caplog.records if "trains the batches of OwnStepSequential whole" in r.getMessage()]
+    assert len(told) == 1 and "compute_loss" in told[0], told
+
+
+def test_an_own_train_step_out_of_memory_is_named_and_micro_batches_are_refused():
+    import torch
+
+    x, y = mlp_data()
+    model = make_failing({1}, torch.OutOfMemoryError, "CUDA out of memory.", model_class=OwnStepSequential)
+    guard = keras_memguard.MemoryGuard(memory_limit=BIG, plan_cache=False)
+    with pytest.raises(keras_memguard.MicroBatchTooLargeError) as info:
+        model.fit(x, y, callbacks=[guard], **FIT)
+    assert f"Out of memory on a batch of {BATCH} samples, which MemoryGuard cannot split: " \
+        "the own `train_step` of OwnStepSequential" in str(info.value), info.value
+    split = keras_memguard.MemoryGuard(memory_limit=BIG, plan=False, micro_batches=4)
+    with pytest.raises(UnsupportedTrainingSetupError, match="Received: micro_batches=4"):
+        make_failing(model_class=OwnStepSequential).fit(x, y, callbacks=[split], **FIT)
+
+
 def test_an_own_loss_is_warned_about_only_where_it_couples_the_samples(recwarn):
     assert_only_the_coupled_loss_is_warned_about(
         recwarn,

@@ -99,7 +99,7 @@ class TfTrainingRun:
         """Checks the model, starts the decider where no plan hook will, installs."""
         session, model = self.session, self.model
         if not _trains_with_default_step(model):
-            session.train_whole_batches(type(model).__name__)
+            session.train_whole_batches(type(model).__name__, "tensorflow")
         self.multi_worker = multi_worker.is_multi_worker(model.distribute_strategy)
         self.xla = xla_memory.uses_xla(model) and not self.multi_worker
         if not self.multi_worker and compat.summed_added_losses(model) is None:

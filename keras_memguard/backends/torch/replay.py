@@ -243,6 +243,10 @@ class ReplayingTrainFunction:
             `None`: `double_micro_batches`.
         mode: `"accumulate"` or `"shrink"` (see `micro_batch_train_step`).
             Defaults to `"accumulate"`.
+        whole_step: A model's own `train_step`, run on each whole batch
+            instead of the micro-batched step (nothing in it can be split;
+            an out-of-memory error goes to `on_out_of_memory` all the
+            same), or `None`. Defaults to `None`.
 
     Raises:
         ValueError: If `micro_batches` or `mode` is invalid.
@@ -257,8 +261,9 @@ class ReplayingTrainFunction:
     """
 
     def __init__(self, model, micro_batches=1, plan=None, on_out_of_memory=None,
-                 mode="accumulate"):
+                 mode="accumulate", whole_step=None):
         self.model = model
+        self.whole_step = whole_step
         self.micro_batches = validate_micro_batches(micro_batches)
         self.plan = plan
         self.on_out_of_memory = on_out_of_memory or double_micro_batches
@@ -327,6 +332,8 @@ class ReplayingTrainFunction:
             # of the size `k` gives the whole batch.
             parts = min(remaining, -(-remaining * k // batch_size))
             try:
+                if self.whole_step is not None:
+                    return self.whole_step(batch)
                 return run_step(self.model, batch, parts, self.mode, progress)
             except Exception as error:
                 if not is_out_of_memory(error) or progress.applying:

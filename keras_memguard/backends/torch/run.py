@@ -30,6 +30,7 @@ from keras import tree
 from keras_memguard import decider
 from keras_memguard import oom_explanation
 from keras_memguard import split_loss
+from keras_memguard.backends import compat
 from keras_memguard.backends import shared
 from keras_memguard.backends.torch.inference import SlicedPredictFunction
 from keras_memguard.backends.torch.inference import SlicedTestFunction
@@ -162,14 +163,22 @@ class TorchTrainingRun:
         reason = unsupported_options(session.options)
         if reason is not None:
             raise UnsupportedTrainingSetupError(reason)
+        model = self.model
+        whole_step = None
+        if type(model).train_step is not compat.torch_trainer_class().train_step:
+            # A step of the model's own: nothing in it can be split, so it
+            # runs whole, as in plain `fit`.
+            session.train_whole_batches(type(model).__name__, "torch")
+            whole_step = model.train_step
         if not session.started and not session.options.plan:
             self._start(None)
         self.function = ReplayingTrainFunction(
-            self.model,
+            model,
             micro_batches=session.micro_batches,
             plan=self._plan,
             on_out_of_memory=self._on_out_of_memory,
             mode=_MODES[session.options.mode],
+            whole_step=whole_step,
         )
         self._carrier, self._previous_inner = logs_carrier.train_inside(
             self.model, session, self._contribute, self.fit, self.function
