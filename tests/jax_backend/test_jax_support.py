@@ -37,3 +37,12 @@ def test_an_own_train_step_and_eager_runs_are_refused():
     model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
     with pytest.raises(UnsupportedTrainingSetupError, match="run_eagerly=True"):
         check_supported(model)
+
+
+def test_a_step_compiled_without_xla_is_refused_with_the_compile_arguments_that_train():
+    model = make_mlp()
+    model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+    with pytest.raises(UnsupportedTrainingSetupError) as info:
+        check_supported(model)
+    assert "Received: run_eagerly=False, jit_compile=False" in str(info.value), info.value
+    assert "HINT: compile with Keras' defaults on JAX" in str(info.value), info.value

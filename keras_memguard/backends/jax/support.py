@@ -31,7 +31,10 @@ def unsupported_reason(model):
         return (
             "The micro-batched JAX step is compiled with XLA, so the model "
             "must not run eagerly. Received: "
-            f"run_eagerly={model.run_eagerly!r}, jit_compile={model.jit_compile!r}."
+            f"run_eagerly={model.run_eagerly!r}, jit_compile={model.jit_compile!r}. "
+            "HINT: compile with Keras' defaults on JAX (`jit_compile=True` "
+            "or `\"auto\"`, `run_eagerly=False`); the guard's step is then "
+            "the compiled one `fit` would run."
         )
     distribution = compat.distribution()
     if distribution is not None:
