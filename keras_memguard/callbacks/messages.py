@@ -177,15 +177,16 @@ def own_train_step(class_name, micro_batches, split_hint):
     )
 
 
-def own_step_whole_batches(class_name, split_hint):
+def own_step_whole_batches(class_name, split_hint, backend):
     """The warning when a model's batches are trained whole (its own `train_step`)."""
+    # TensorFlow's XLA step is read and tried before it runs.
+    xla = " (on XLA it stops before a step that cannot fit runs)" if backend == "tensorflow" else ""
     return (
         f"MemoryGuard trains the batches of {class_name} whole: its own "
         "`train_step` does not use keras_memguard's machinery, so a batch "
         "cannot be split into micro-batches. The guard watches memory and "
-        "explains an out-of-memory error (on XLA it stops before a step "
-        "that cannot fit runs). HINT: to have batches split when memory "
-        f"runs short, {split_hint}."
+        f"explains an out-of-memory error{xla}. HINT: to have batches split "
+        f"when memory runs short, {split_hint}."
     )
 
 

@@ -197,7 +197,7 @@ class GuardSession:
                 messages.own_train_step(class_name, self.options.micro_batches, hint)
             )
         if self.own_train_step is None:
-            logger.warning("%s", messages.own_step_whole_batches(class_name, hint))
+            logger.warning("%s", messages.own_step_whole_batches(class_name, hint, backend))
         self.own_train_step = (class_name, hint)
         if self.config.max_micro_batches != 1:
             if self._inference_config is None:

@@ -572,6 +572,103 @@ def test_a_stateful_rnn_trains_whole_batches_as_plain_fit_and_is_not_split(caplo
         ])
 
 
+class OwnStepSequential(keras.Sequential):
+    """keras.io's JAX `train_step` of one's own: the loss halved, its own logs.
+
+    `fails`: the step raises XLA's out-of-memory error when traced (the
+    seam JAX's CPU backend cannot reach at these sizes).
+    """
+
+    fails = False
+
+    def _half_loss(self, trainable, non_trainable, x, y):
+        y_pred, non_trainable = self.stateless_call(trainable, non_trainable, x, training=True)
+        loss = keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y, y_pred))
+        return 0.5 * loss, non_trainable
+
+    def train_step(self, state, data):
+        if self.fails:
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Out of memory allocating 4096 bytes.", 8
+            )
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data[0], data[1]
+        grad_fn = jax.value_and_grad(self._half_loss, has_aux=True)
+        (loss, non_trainable), grads = grad_fn(trainable, non_trainable, x, y)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable
+        )
+        state = (trainable, non_trainable, optimizer_variables, metrics_variables)
+        return {"half_loss": loss, "own": 1.0}, state
+
+
+def make_own_step():
+    model = OwnStepSequential([
+        keras.Input((8,)),
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_an_own_train_step_trains_whole_batches_as_plain_fit(caplog):
+    # It used to be refused at fit's start, where plain fit trains it.
+    x, y = mlp_data()
+    plain, model = twins(make_own_step)
+    expected = plain.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0).history
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan_cache=False)
+    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
+        history = model.fit(
+            x, y, batch_size=20, epochs=2, shuffle=False, verbose=0, callbacks=[guard]
+        ).history
+        evaluated = model.evaluate(x, y, batch_size=50, verbose=0, callbacks=[guard])
+    assert history["micro_batches"] == [1, 1] and history["own"] == [1.0, 1.0], history
+    np.testing.assert_allclose(history["half_loss"], expected["half_loss"], rtol=1e-6)
+    assert max_weight_difference(model, plain) < 1e-6
+    assert evaluated == pytest.approx(plain.evaluate(x, y, batch_size=50, verbose=0), rel=1e-6)
+    told = [r.getMessage() for r in caplog.records
+            if "trains the batches of OwnStepSequential whole" in r.getMessage()]
+    assert len(told) == 1 and "`compute_loss`" in told[0] and "XLA" not in told[0], told
+
+
+def test_an_own_train_step_out_of_memory_is_named_and_micro_batches_are_refused():
+    x, y = mlp_data()
+    model = make_own_step()
+    model.fails = True
+    before = [np.array(w) for w in model.get_weights()]
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan_cache=False)
+    with pytest.raises(MicroBatchTooLargeError) as info:
+        model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[guard])
+    # `fit` took the weights out of the model; the step failed before it
+    # ran, so they are put back (plain `fit` leaves the model without them).
+    for want, got in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    assert "Out of memory on a batch of 20 samples, which MemoryGuard cannot split: the " \
+        "own `train_step` of OwnStepSequential runs the whole batch" in str(info.value), info.value
+    split = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
+    with pytest.raises(UnsupportedTrainingSetupError, match="Received: micro_batches=4"):
+        model.fit(x, y, batch_size=20, verbose=0, callbacks=[split])
+    # Nothing lost: the same model trains on once its batches fit.
+    model.fails = False
+    model.make_train_function(force=True)
+    history = model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[guard]).history
+    assert history["micro_batches"] == [1] and np.isfinite(history["half_loss"][0]), history
+
+
+def test_the_mixin_refuses_an_own_train_step_it_would_have_replaced():
+    # At two micro-batches the mixin used to run Keras' step in its place.
+    class Own(keras_memguard.MemGuardMixin, OwnStepSequential):
+        pass
+
+    model = Own([keras.Input((8,)), keras.layers.Dense(3, activation="softmax")])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.micro_batches = 2
+    x, y = mlp_data()
+    with pytest.raises(UnsupportedTrainingSetupError, match="has a `train_step` of its own"):
+        model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+
+
 def test_an_own_loss_is_warned_about_only_where_it_couples_the_samples(recwarn):
     assert_only_the_coupled_loss_is_warned_about(
         recwarn,

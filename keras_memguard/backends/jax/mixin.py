@@ -10,6 +10,7 @@ the count. What the TensorFlow mixin adds beyond that (`"shrink"`,
 message naming the backend.
 """
 
+from keras_memguard.backends import compat
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.backends.jax.replay import ReplayingTrainFunction
@@ -86,9 +87,24 @@ class MemGuardMixin:
             )
 
     def make_train_function(self, force=False):
-        """Makes the micro-batched, replaying train function (once)."""
+        """Makes the micro-batched, replaying train function (once).
+
+        Raises:
+            UnsupportedTrainingSetupError: If the class has a `train_step`
+                of its own, which cannot be micro-batched on JAX.
+        """
         if self.train_function is not None and not force:
             return self.train_function
+        if compat.overrides_train_step(self):
+            # The micro-batched step is Keras' own: it would run in place of
+            # this one.
+            raise UnsupportedTrainingSetupError(
+                f"{type(self).__name__} has a `train_step` of its own; on "
+                "Keras' JAX backend MemGuardMixin micro-batches Keras' own "
+                "train step only. HINT: move the loss into `compute_loss` "
+                "and drop the `train_step` override, or drop the mixin "
+                "(`MemoryGuard` then trains the batches whole)."
+            )
         return functions.set_train_function(
             self,
             ReplayingTrainFunction(

@@ -247,3 +247,84 @@ class ReplayingTrainFunction:
                     larger, k, batch_size, error
                 )
                 self.replays += 1
+
+
+def _deleted(leaf):
+    """Whether a state array was donated to a step and deleted."""
+    is_deleted = getattr(leaf, "is_deleted", None)
+    return bool(is_deleted()) if is_deleted is not None else False
+
+
+class _CountingIterator:
+    """Passes an iterator's batches on, keeping the last and counting them."""
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+        self.last = None
+        self.count = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.last = next(self.iterator)
+        self.count += 1
+        return self.last
+
+
+class WholeTrainFunction:
+    """`model.train_function` for a model whose own `train_step` runs whole.
+
+    Nothing inside another `train_step` can be split, so each batch runs
+    through `inner`, Keras' own train function (the model's `train_step`,
+    compiled as plain `fit` compiles it, donating the state as it does).
+    `before_call` runs before each call (the guard's memory reading), and
+    XLA's out-of-memory error goes to `on_out_of_memory`, which raises the
+    error to end `fit` with; the original error is raised where it returns.
+    Where a call raises before the state was donated (while the step is
+    traced or compiled), that state goes back into the model's variables.
+    Every step is waited for, so that an allocation that failed on a GPU
+    shows here.
+
+    Args:
+        model: A compiled Keras model on the JAX backend.
+        on_out_of_memory: A function `StepOutOfMemory -> None` that raises.
+        before_call: A function `() -> None`, or `None`. Defaults to `None`.
+
+    Attributes:
+        inner: The function to call as `inner(state, iterator)`; set it
+            before the first call.
+    """
+
+    def __init__(self, model, on_out_of_memory, before_call=None):
+        self.model = model
+        self.inner = None
+        self.on_out_of_memory = on_out_of_memory
+        self.before_call = before_call
+        self.last_batch_size = None
+        self.last_call_batches = 0
+
+    def __call__(self, state, iterator):
+        if self.before_call is not None:
+            self.before_call()
+        counting = _CountingIterator(iterator)
+        try:
+            result = jax.block_until_ready(self.inner(state, counting))
+        except BaseException as error:
+            if not any(_deleted(leaf) for leaf in jax.tree_util.tree_leaves(state)):
+                # Nothing ran yet (tracing, compiling): the state the batch
+                # started from goes back into the model's variables, which
+                # `fit` took out. Donated to a step that ran, it is gone, as
+                # in plain `fit`.
+                compat.keep_jax_state(self.model, state)
+            if counting.last is None or not is_out_of_memory(error):
+                raise
+            batch_size = self.last_batch_size = batch_size_of(counting.last)
+            counting = None
+            self.on_out_of_memory(
+                StepOutOfMemory(batch_size, 1, error, failed_allocation_bytes(error))
+            )
+            raise
+        self.last_batch_size = batch_size_of(counting.last)
+        self.last_call_batches = counting.count
+        return result

@@ -1,6 +1,9 @@
 """`MemoryGuard` on Keras' JAX backend: the glue for one `fit`, `evaluate` or `predict`.
 
-On the JAX backend the guard trains through the JAX training core
+A model whose class has a `train_step` of its own trains each batch whole
+through Keras' own train function (`WholeTrainFunction`), as in plain
+`fit`: the guard reads memory around it and names that step when a batch
+runs out of memory. Otherwise the guard trains through the JAX training core
 (`keras_memguard.backends.jax`): a `ReplayingTrainFunction` put inside the
 model's logs carrier, which, before a batch of a new shape runs, compiles
 the micro-batched step for candidate counts and plans from what XLA says
@@ -44,6 +47,7 @@ from keras_memguard.backends.jax.inference import double_slices
 from keras_memguard.compiled_plan import excess_bytes
 from keras_memguard.compiled_plan import plan_micro_batches
 from keras_memguard.backends.jax.replay import ReplayingTrainFunction
+from keras_memguard.backends.jax.replay import WholeTrainFunction
 from keras_memguard.backends.jax.replay import is_out_of_memory
 from keras_memguard.backends.jax.step import batch_size_of
 from keras_memguard.backends.jax.support import check_supported
@@ -144,18 +148,30 @@ class JaxTrainingRun:
         if reason is not None:
             raise UnsupportedTrainingSetupError(reason)
         check_supported(model)
+        whole = compat.overrides_train_step(model)
+        if whole:
+            # A step of the model's own: nothing in it can be split, so
+            # Keras' own train function runs it whole, as in plain `fit`.
+            session.train_whole_batches(type(model).__name__, "jax")
         if not session.started:
             session.start(self.limit_bytes, 0, 0)
-        self.function = ReplayingTrainFunction(
-            model,
-            micro_batches=session.micro_batches,
-            cache=self.cache,
-            plan=self._plan,
-            on_out_of_memory=self._on_out_of_memory,
-        )
+        if whole:
+            self.function = WholeTrainFunction(
+                model, self._on_out_of_memory, before_call=self._read_before
+            )
+        else:
+            self.function = ReplayingTrainFunction(
+                model,
+                micro_batches=session.micro_batches,
+                cache=self.cache,
+                plan=self._plan,
+                on_out_of_memory=self._on_out_of_memory,
+            )
         self._carrier, self._previous_inner = logs_carrier.train_inside(
             model, session, self._contribute, self.fit, self.function
         )
+        if whole:
+            self.function.inner = self._previous_inner
 
     def end(self):
         """Puts the train function in place before back."""
@@ -164,6 +180,10 @@ class JaxTrainingRun:
         )
         self._carrier = None
         self.function = None
+
+    def _read_before(self):
+        """Before a whole batch: the memory in use (and the peak reset)."""
+        self._before = shared.in_use_bytes(self.session.read())
 
     def _plan(self, state, data):
         """The count for the batch about to run (the function's `plan`)."""

@@ -21,12 +21,6 @@ def unsupported_reason(model):
             f"Received: backend={keras.backend.backend()!r}. "
             "HINT: set KERAS_BACKEND=jax before importing Keras."
         )
-    if compat.overrides_train_step(model):
-        return (
-            f"{type(model).__name__} replaces `train_step`, which cannot be "
-            "split into micro-batches on the JAX backend. HINT: compute "
-            "your loss in `compute_loss` instead."
-        )
     if model.run_eagerly or not model.jit_compile:
         return (
             "The micro-batched JAX step is compiled with XLA, so the model "

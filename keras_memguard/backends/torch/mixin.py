@@ -100,7 +100,8 @@ class MemGuardMixin:
                 f"{type(self).__name__} has a `train_step` of its own; on "
                 "Keras' PyTorch backend MemGuardMixin micro-batches Keras' "
                 "own train step only. HINT: move the loss into "
-                "`compute_loss` and drop the `train_step` override."
+                "`compute_loss` and drop the `train_step` override, or drop "
+                "the mixin (`MemoryGuard` then trains the batches whole)."
             )
         return functions.set_train_function(
             self,
