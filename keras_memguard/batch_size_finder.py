@@ -50,7 +50,8 @@ prefetched batches and the step's buffers land, and a trial there may
 still run out of memory (recovered). Where none failed,
 it is the largest batch that ran when the search stopped with the peaks
 still growing (the target is then within `tolerance` of it, and its own
-peak is under the target), and a tenth below it when a larger trial
+peak is under the target), at least a tenth below where the line through
+the last peaks reaches the target, and a tenth below it when a larger trial
 peaked no higher (a rounded block, past which a few samples more can
 fail, or the step's noise: the stalled trial is at the edge either way).
 Where `fit` runs a step compiled by XLA, whose buffers are assigned before
@@ -156,9 +157,10 @@ class BatchSizeResult(NamedTuple):
             at it ran on TensorFlow). Otherwise the largest batch whose
             trial steps ran under `threshold` of the limit, at least a
             tenth (or `tolerance`, if larger) below the smallest that did
-            not (where none did:
-            that batch, or a tenth below it when the peaks stopped
-            growing; on PyTorch, that batch): at the very top, whether a
+            not (where none did: that batch, at least a tenth below where
+            the line through the last peaks reaches the target, or a tenth
+            below it when the peaks stopped growing; on PyTorch, that
+            batch): at the very top, whether a
             batch trains depends on where the input pipeline's batches
             land in TensorFlow's allocator.
         measured_peak_bytes: The measured peak of the largest trial that ran.
@@ -508,18 +510,19 @@ def _answer_below_edge(largest, failed, line_edge, tolerance):
     a trial a few MiB under the target is at that edge. The margin for
     that: `FRESH_FIT_MARGIN` (or `tolerance`, if larger) below the smallest
     batch that failed or peaked above the target (`failed`) where one did,
-    else below the largest that ran where the line through peaks that
-    still grow puts the target within `tolerance` of it (below `line_edge`,
-    where the line reaches the target, when only `max_batch_size` stopped
-    the search), else (a larger trial peaked no higher: the allocator's
-    rounding, or a peak that moves by more than the samples add) the same
-    margin below the largest that ran: a stalled trial is at the edge too.
+    else below `line_edge`, where the line through peaks that still grow
+    reaches the target (within `tolerance` above the largest trial, or
+    further where only `max_batch_size` stopped the search), else (a larger
+    trial peaked no higher: the allocator's rounding, or a peak that moves
+    by more than the samples add) the same margin below the largest that
+    ran: a stalled trial is at the edge too. Never above the largest that
+    ran.
     """
     if largest <= 1:
         return largest
     if failed is not None:
         edge = _below_failure(failed, tolerance)
-    elif line_edge is not None and line_edge > largest * (1.0 + tolerance):
+    elif line_edge is not None:
         edge = _below_failure(line_edge, tolerance)
     else:
         edge = _below_failure(largest, tolerance)
