@@ -16,10 +16,15 @@ in a process of its own, since XLA reads its allocator settings once:
 - `oom`: the same with `plan=False`: the whole batch runs out of memory on
   the device (XLA's `RESOURCE_EXHAUSTED`) and is replayed with more
   micro-batches; its weights against the `guard` part's.
+- `own_step`: the 32x32 CNN as a class with a `train_step` of its own
+  (keras.io's JAX pattern) under the same limit, at the batch that does not
+  fit: what plain `fit` raises and whether the model still has its weights
+  afterwards, the same under `MemoryGuard`, then the guarded model at a
+  sixteenth of the batch.
 
 Prints one JSON line per reading.
 
-Run: python bench/jax_backend/bench_jax_gpu.py [--parts probe,analysis,guard,oom]
+Run: python bench/jax_backend/bench_jax_gpu.py [--parts probe,analysis,guard,oom,own_step]
 """
 
 import argparse
@@ -29,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 
-PARTS = ("probe", "analysis", "guard", "oom")
+PARTS = ("probe", "analysis", "guard", "oom", "own_step")
 ANALYSIS_BATCHES = (64, 256, 1024)
 _MIB = 2**20
 
@@ -181,6 +186,75 @@ def part_oom(batch, weights_path):
          largest_weight_difference_from_guard=difference)
 
 
+def _own_step_cnn(keras):
+    """`_small_cnn`'s layers in a class whose `train_step` is its own."""
+    import jax
+
+    class OwnStepCNN(keras.Sequential):
+        def _loss(self, trainable, non_trainable, x, y):
+            logits, non_trainable = self.stateless_call(trainable, non_trainable, x,
+                                                        training=True)
+            loss = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+            return keras.ops.mean(loss), non_trainable
+
+        def train_step(self, state, data):
+            trainable, non_trainable, optimizer_variables, metrics_variables = state
+            grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+            (loss, non_trainable), grads = grad_fn(trainable, non_trainable, data[0], data[1])
+            trainable, optimizer_variables = self.optimizer.stateless_apply(
+                optimizer_variables, grads, trainable)
+            return ({"own_loss": loss},
+                    (trainable, non_trainable, optimizer_variables, metrics_variables))
+
+    layers = _small_cnn(keras).layers
+    keras.utils.set_random_seed(0)
+    model = OwnStepCNN([keras.Input((32, 32, 3))] + [
+        type(layer).from_config(layer.get_config()) for layer in layers])
+    model.compile(optimizer="adam")
+    return model
+
+
+def _fit_outcome(model, x, y, batch, callbacks):
+    """What `fit` raised (its first line) and whether the weights are still there."""
+    import numpy as np
+
+    before = [np.array(w) for w in model.get_weights()]
+    error = None
+    try:
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=callbacks)
+    except Exception as e:  # The figure to report: what `fit` raised.
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:240]}"
+    try:
+        after = model.get_weights()
+        kept = "equal" if all(np.array_equal(a, b) for a, b in zip(before, after)) else "changed"
+    except Exception as e:  # The model lost its weights.
+        kept = f"lost ({type(e).__name__})"
+    return error, kept
+
+
+def part_own_step(batch, memory_limit=None):
+    """`memory_limit`: the guard's, where the device reports none (a smoke run on the CPU)."""
+    import keras
+    import numpy as np
+
+    import keras_memguard
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, size=(batch,))
+    error, kept = _fit_outcome(_own_step_cnn(keras), x, y, batch, [])
+    emit(part="own_step", run="plain", batch=batch, error=error, weights=kept)
+    model = _own_step_cnn(keras)
+    error, kept = _fit_outcome(model, x, y, batch, [
+        keras_memguard.MemoryGuard(memory_limit=memory_limit, plan_cache=False)])
+    emit(part="own_step", run="guard", batch=batch, error=error, weights=kept)
+    small = batch // 16
+    error, kept = _fit_outcome(model, x, y, small, [
+        keras_memguard.MemoryGuard(memory_limit=memory_limit, plan_cache=False)])
+    emit(part="own_step", run="guard, then a smaller batch", batch=small, error=error,
+         weights=kept)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default=",".join(PARTS))
@@ -196,7 +270,8 @@ def main():
         {"probe": part_probe,
          "analysis": lambda: part_analysis(args.batch_size, args.micro_batches),
          "guard": lambda: part_guard(args.batch_size, args.weights),
-         "oom": lambda: part_oom(args.batch_size, args.weights)}[args.in_process]()
+         "oom": lambda: part_oom(args.batch_size, args.weights),
+         "own_step": lambda: part_own_step(args.batch_size)}[args.in_process]()
         return
     try:
         total = nvidia_smi()["total_mib"] * _MIB
@@ -204,7 +279,7 @@ def main():
         sys.exit(f"bench_jax_gpu needs an NVIDIA GPU (nvidia-smi: {error})")
     for part in args.parts.split(","):
         env = dict(os.environ, KERAS_BACKEND="jax")
-        if part in ("guard", "oom"):
+        if part in ("guard", "oom", "own_step"):
             env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{args.limit_mib * _MIB / total:.6f}"
         else:
             env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"

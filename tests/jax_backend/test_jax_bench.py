@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "jax_backend" / "bench_jax_plan.py"
 
 
@@ -52,3 +54,18 @@ def test_bench_jax_gpu_says_it_needs_a_gpu_where_there_is_none(tmp_path):
     )
     assert result.returncode == 1
     assert "bench_jax_gpu needs an NVIDIA GPU (nvidia-smi:" in result.stderr
+
+
+@pytest.mark.slow
+def test_bench_jax_gpu_own_step_part_runs_on_the_cpu(capsys):
+    # The GPU part's code, on the CPU with a limit given: every `fit` trains.
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_jax_gpu
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    bench_jax_gpu.part_own_step(32, memory_limit=1 << 30)
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+            if line.startswith("{")]
+    assert [r["run"] for r in rows] == ["plain", "guard", "guard, then a smaller batch"], rows
+    assert all(r["error"] is None and r["weights"] == "changed" for r in rows), rows
