@@ -792,8 +792,11 @@ def keep_jax_state(model, state, kind="train"):
 
 
 def overrides_train_step(model):
-    """Whether the model's class replaces the JAX trainer's `train_step`."""
-    trainer = _import_attribute("keras.src.backend.jax.trainer", "JAXTrainer")
+    """Whether the model's class replaces the `train_step` of Keras' trainer (JAX or PyTorch)."""
+    if keras.backend.backend() == "torch":
+        trainer = torch_trainer_class()
+    else:
+        trainer = _import_attribute("keras.src.backend.jax.trainer", "JAXTrainer")
     return type(model).train_step is not trainer.train_step
 
 

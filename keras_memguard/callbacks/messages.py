@@ -166,6 +166,17 @@ def own_step_split_hint(class_name, backend):
     )
 
 
+def mixin_own_step(class_name, backend_name):
+    """`UnsupportedTrainingSetupError`'s text for a JAX or PyTorch mixin class with its own `train_step`."""
+    return (
+        f"{class_name} has a `train_step` of its own; on Keras' {backend_name} "
+        "backend MemGuardMixin micro-batches Keras' own train step only. "
+        "HINT: move the loss into `compute_loss` and drop the `train_step` "
+        "override, or drop the mixin (`MemoryGuard` then trains the batches "
+        "whole)."
+    )
+
+
 def own_train_step(class_name, micro_batches, split_hint):
     """`UnsupportedTrainingSetupError`'s text for micro-batches asked of a model's own step."""
     return (

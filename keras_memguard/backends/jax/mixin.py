@@ -11,6 +11,7 @@ message naming the backend.
 """
 
 from keras_memguard.backends import compat
+from keras_memguard.callbacks import messages
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.backends.jax.replay import ReplayingTrainFunction
@@ -99,11 +100,7 @@ class MemGuardMixin:
             # The micro-batched step is Keras' own: it would run in place of
             # this one.
             raise UnsupportedTrainingSetupError(
-                f"{type(self).__name__} has a `train_step` of its own; on "
-                "Keras' JAX backend MemGuardMixin micro-batches Keras' own "
-                "train step only. HINT: move the loss into `compute_loss` "
-                "and drop the `train_step` override, or drop the mixin "
-                "(`MemoryGuard` then trains the batches whole)."
+                messages.mixin_own_step(type(self).__name__, "JAX")
             )
         return functions.set_train_function(
             self,

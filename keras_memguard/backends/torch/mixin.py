@@ -10,6 +10,7 @@ the backend.
 
 from keras_memguard import step_functions as functions
 from keras_memguard.backends import compat
+from keras_memguard.callbacks import messages
 from keras_memguard.backends.torch.replay import ReplayingTrainFunction
 from keras_memguard.backends.torch.replay import double_micro_batches
 from keras_memguard.backends.torch.step import validate_mode
@@ -95,13 +96,9 @@ class MemGuardMixin:
         """
         if self.train_function is not None and not force:
             return self.train_function
-        if type(self).train_step is not compat.torch_trainer_class().train_step:
+        if compat.overrides_train_step(self):
             raise UnsupportedTrainingSetupError(
-                f"{type(self).__name__} has a `train_step` of its own; on "
-                "Keras' PyTorch backend MemGuardMixin micro-batches Keras' "
-                "own train step only. HINT: move the loss into "
-                "`compute_loss` and drop the `train_step` override, or drop "
-                "the mixin (`MemoryGuard` then trains the batches whole)."
+                messages.mixin_own_step(type(self).__name__, "PyTorch")
             )
         return functions.set_train_function(
             self,

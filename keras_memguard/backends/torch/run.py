@@ -165,7 +165,7 @@ class TorchTrainingRun:
             raise UnsupportedTrainingSetupError(reason)
         model = self.model
         whole_step = None
-        if type(model).train_step is not compat.torch_trainer_class().train_step:
+        if compat.overrides_train_step(model):
             # A step of the model's own: nothing in it can be split, so it
             # runs whole, as in plain `fit`.
             session.train_whole_batches(type(model).__name__, "torch")
