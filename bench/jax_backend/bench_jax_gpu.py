@@ -21,10 +21,16 @@ in a process of its own, since XLA reads its allocator settings once:
   fit: what plain `fit` raises and whether the model still has its weights
   afterwards, the same under `MemoryGuard`, then the guarded model at a
   sixteenth of the batch.
+- `whole`: what whole-batch training under `MemoryGuard` costs (the guard
+  waits for each step, so that an allocation failing on the device shows
+  where the batch is known): the own-step CNN, and the plain CNN under
+  `keras.distribution.DataParallel` over every device, each against plain
+  `fit` from the same weights, rounds interleaved in one process; per-step
+  medians and the largest weight difference after the same steps.
 
 Prints one JSON line per reading.
 
-Run: python bench/jax_backend/bench_jax_gpu.py [--parts probe,analysis,guard,oom,own_step]
+Run: python bench/jax_backend/bench_jax_gpu.py [--parts probe,analysis,guard,oom,own_step,whole]
 """
 
 import argparse
@@ -34,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 
-PARTS = ("probe", "analysis", "guard", "oom", "own_step")
+PARTS = ("probe", "analysis", "guard", "oom", "own_step", "whole")
 ANALYSIS_BATCHES = (64, 256, 1024)
 _MIB = 2**20
 
@@ -255,6 +261,49 @@ def part_own_step(batch, memory_limit=None):
          weights=kept)
 
 
+def part_whole(batch, rounds=5, steps=20, memory_limit=None):
+    """`memory_limit`: the guard's, where the device reports none (a smoke run on the CPU)."""
+    import statistics
+    import time
+
+    import jax
+    import keras
+    import numpy as np
+
+    import keras_memguard
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(steps * batch, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, size=(steps * batch,))
+    for setup, build in (("own_step", _own_step_cnn), ("data_parallel", _small_cnn)):
+        if setup == "data_parallel":
+            keras.distribution.set_distribution(
+                keras.distribution.DataParallel(devices=jax.devices()))
+        try:
+            models = {"plain": build(keras), "guard": build(keras)}
+            models["guard"].set_weights(models["plain"].get_weights())
+            guard = keras_memguard.MemoryGuard(memory_limit=memory_limit, plan_cache=False)
+            callbacks = {"plain": [], "guard": [guard]}
+            seconds = {name: [] for name in models}
+            for _ in range(rounds + 1):  # the first round compiles: not counted
+                for name, model in models.items():
+                    start = time.perf_counter()
+                    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
+                              callbacks=callbacks[name])
+                    jax.block_until_ready(model.trainable_variables[0].value)
+                    seconds[name].append((time.perf_counter() - start) / steps)
+            difference = max(
+                float(np.max(np.abs(a - b)))
+                for a, b in zip(models["plain"].get_weights(), models["guard"].get_weights()))
+            medians = {name: statistics.median(values[1:]) for name, values in seconds.items()}
+            emit(part="whole", setup=setup, devices=len(jax.devices()), batch=batch,
+                 plain_step_ms=medians["plain"] * 1e3, guard_step_ms=medians["guard"] * 1e3,
+                 guard_over_plain=medians["guard"] / medians["plain"],
+                 largest_weight_difference=difference)
+        finally:
+            keras.distribution.set_distribution(None)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default=",".join(PARTS))
@@ -271,7 +320,8 @@ def main():
          "analysis": lambda: part_analysis(args.batch_size, args.micro_batches),
          "guard": lambda: part_guard(args.batch_size, args.weights),
          "oom": lambda: part_oom(args.batch_size, args.weights),
-         "own_step": lambda: part_own_step(args.batch_size)}[args.in_process]()
+         "own_step": lambda: part_own_step(args.batch_size),
+         "whole": lambda: part_whole(args.batch_size)}[args.in_process]()
         return
     try:
         total = nvidia_smi()["total_mib"] * _MIB

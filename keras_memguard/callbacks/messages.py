@@ -2,6 +2,8 @@
 
 import logging
 
+from typing import NamedTuple
+
 from keras_memguard.decider import accumulation_fits
 from keras_memguard.decider import micro_batches_text
 
@@ -152,17 +154,61 @@ def memory_limit_unknown(devices, backend="tensorflow"):
     )
 
 
-def own_step_split_hint(class_name, backend):
-    """How a model with its own `train_step` gets batches that split, on `backend`."""
+class WholeStep(NamedTuple):
+    """What trains a model's batches whole, in the words of the messages.
+
+    Attributes:
+        class_name: The model's class name.
+        reason: Why a batch cannot be split, as a clause ("its own
+            `train_step` does not use keras_memguard's machinery").
+        runner: What runs each whole batch ("the own `train_step` of VAE").
+        split_hint: How to have batches split.
+        smaller_hint: What trains where a whole batch does not fit.
+    """
+
+    class_name: str
+    reason: str
+    runner: str
+    split_hint: str
+    smaller_hint: str
+
+
+def own_step_whole(class_name, backend):
+    """The `WholeStep` of a model with a `train_step` of its own, on `backend`."""
     if backend == "tensorflow":
-        return (
+        split_hint = (
             "mix `keras_memguard.MemGuardMixin` into the class "
             f"(`class {class_name}(MemGuardMixin, ...)`) and build the "
             "override on `self.accumulate_gradients(...)`"
         )
-    return (
-        "move the loss into `compute_loss` and drop the `train_step` "
-        "override (Keras' own step is split)"
+    else:
+        split_hint = (
+            "move the loss into `compute_loss` and drop the `train_step` "
+            "override (Keras' own step is split)"
+        )
+    return WholeStep(
+        class_name,
+        "its own `train_step` does not use keras_memguard's machinery",
+        f"the own `train_step` of {class_name}",
+        split_hint,
+        "pass a smaller `batch_size` to `fit` (`keras_memguard.find_batch_size` "
+        f"finds one), or {split_hint}",
+    )
+
+
+def distributed_whole(class_name, distribution):
+    """The `WholeStep` of a JAX model trained under `keras.distribution`.
+
+    `distribution`: the distribution in words ("DataParallel over 2 devices").
+    """
+    where = f"`keras.distribution` ({distribution})"
+    return WholeStep(
+        class_name,
+        "on Keras' JAX backend keras_memguard splits a step on one device, "
+        f"and {where} spreads each batch over several",
+        f"Keras' train step under {where}",
+        "train on one device",
+        "pass a smaller `batch_size` to `fit`, or spread the batch over more devices",
     )
 
 
@@ -177,57 +223,58 @@ def mixin_own_step(class_name, backend_name):
     )
 
 
-def own_train_step(class_name, micro_batches, split_hint):
-    """`UnsupportedTrainingSetupError`'s text for micro-batches asked of a model's own step."""
+def mixin_distributed(class_name, distribution, micro_batches):
+    """`UnsupportedTrainingSetupError`'s text for the JAX mixin asked to split under `keras.distribution`."""
     return (
-        f"MemoryGuard cannot micro-batch {class_name}: its own "
-        "`train_step` does not use keras_memguard's machinery. Received: "
+        f"MemGuardMixin cannot micro-batch {class_name} under "
+        f"`keras.distribution` ({distribution}): on Keras' JAX backend it "
+        "splits a step on one device. Received: "
         f"micro_batches={micro_batches}. HINT: leave `micro_batches` at 1 "
-        "(the guard then trains whole batches and watches memory), or "
-        f"{split_hint}."
+        "(Keras' own step then trains the whole batch, as plain `fit` does), "
+        "or train on one device."
     )
 
 
-def own_step_whole_batches(class_name, split_hint, backend):
-    """The warning when a model's batches are trained whole (its own `train_step`)."""
+def whole_step_refused(whole, micro_batches):
+    """`UnsupportedTrainingSetupError`'s text for micro-batches asked of a `WholeStep`."""
+    return (
+        f"MemoryGuard cannot micro-batch {whole.class_name}: {whole.reason}. "
+        f"Received: micro_batches={micro_batches}. HINT: leave `micro_batches` "
+        "at 1 (the guard then trains whole batches and watches memory), or "
+        f"{whole.split_hint}."
+    )
+
+
+def whole_step_batches(whole, backend):
+    """The warning when a model's batches are trained whole (a `WholeStep`)."""
     # TensorFlow's XLA step is read and tried before it runs.
     xla = " (on XLA it stops before a step that cannot fit runs)" if backend == "tensorflow" else ""
     return (
-        f"MemoryGuard trains the batches of {class_name} whole: its own "
-        "`train_step` does not use keras_memguard's machinery, so a batch "
-        "cannot be split into micro-batches. The guard watches memory and "
-        f"explains an out-of-memory error{xla}. HINT: to have batches split "
-        f"when memory runs short, {split_hint}."
+        f"MemoryGuard trains the batches of {whole.class_name} whole: "
+        f"{whole.reason}, so a batch cannot be split into micro-batches. The "
+        f"guard watches memory and explains an out-of-memory error{xla}. "
+        f"HINT: to have batches split when memory runs short, {whole.split_hint}."
     )
 
 
-def own_step_out_of_memory(batch_size, own_step):
-    """`MicroBatchTooLargeError`'s text when a batch of a model's own step does not fit.
-
-    `own_step`: `(class_name, split_hint)`.
-    """
-    class_name, split_hint = own_step
+def whole_step_out_of_memory(batch_size, whole):
+    """`MicroBatchTooLargeError`'s text when a batch of a `WholeStep` does not fit."""
     return (
         f"Out of memory on a batch of {_samples(batch_size)}, which MemoryGuard "
-        f"cannot split: the own `train_step` of {class_name} runs the whole "
-        "batch. HINT: pass a smaller `batch_size` to `fit` "
-        f"(`keras_memguard.find_batch_size` finds one), or {split_hint}."
+        f"cannot split: {whole.runner} runs the whole batch. HINT: "
+        f"{whole.smaller_hint}."
     )
 
 
-def own_step_too_large(batch_size, own_step, needed, in_use, limit, no_block=None):
-    """`MicroBatchTooLargeError`'s text when the XLA step of a model's own `train_step` cannot fit.
+def whole_step_too_large(batch_size, whole, needed, in_use, limit, no_block=None):
+    """`MicroBatchTooLargeError`'s text when the XLA step of a `WholeStep` cannot fit.
 
-    `own_step`: `(class_name, split_hint)`; `no_block`: as in
-    `stateful_step_too_large`.
+    `no_block`: as in `stateful_step_too_large`.
     """
-    class_name, split_hint = own_step
     return (
         _whole_step_needs(batch_size, needed, in_use, limit, no_block)
-        + ", and MemoryGuard cannot split it: the own "
-        f"`train_step` of {class_name} runs the whole batch. Nothing ran. "
-        "HINT: pass a smaller `batch_size` to `fit` "
-        f"(`keras_memguard.find_batch_size` finds one), or {split_hint}."
+        + f", and MemoryGuard cannot split it: {whole.runner} runs the whole "
+        f"batch. Nothing ran. HINT: {whole.smaller_hint}."
     )
 
 
@@ -319,17 +366,16 @@ def stateful_step_too_large(batch_size, layers, needed, in_use, limit, no_block=
     )
 
 
-def cap_reached(micro_batches, batch_size, evaluating=False, stateful=(), own_step=None):
+def cap_reached(micro_batches, batch_size, evaluating=False, stateful=(), whole_step=None):
     """`MicroBatchTooLargeError`'s text when `max_micro_batches` is reached.
 
     `stateful`: the names of the layers that cap the count at one, if any;
-    `own_step`: `(class_name, split_hint)` of a model whose own
-    `train_step` does (in training), or `None`.
+    `whole_step`: the `WholeStep` that does (in training), or `None`.
     """
     if stateful:
         return stateful_out_of_memory(batch_size, stateful, evaluating)
-    if own_step and not evaluating:
-        return own_step_out_of_memory(batch_size, own_step)
+    if whole_step and not evaluating:
+        return whole_step_out_of_memory(batch_size, whole_step)
     if evaluating:
         return (
             f"Out of memory evaluating at {micro_batches} micro-batches, "

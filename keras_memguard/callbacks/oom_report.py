@@ -102,7 +102,7 @@ def cannot_split_error(
     else:
         message = messages.cap_reached(
             micro_batches, batch_size, evaluating, session.stateful_layers,
-            session.own_train_step,
+            session.whole_step,
         )
     return MicroBatchTooLargeError(prefix + message, peak_bytes=peak, limit_bytes=limit)
 

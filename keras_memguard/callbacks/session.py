@@ -134,9 +134,9 @@ class GuardSession:
         self._inference_controllers = {}
         # The model's stateful layers, whose batches run whole (`attach`).
         self.stateful_layers = ()
-        # `(class_name, split_hint)` of a model whose own `train_step`
-        # trains its batches whole (`train_whole_batches`), or `None`.
-        self.own_train_step = None
+        # The `messages.WholeStep` of a model whose batches train whole
+        # (`train_whole_batches`), or `None`.
+        self.whole_step = None
         # The configuration of `evaluate` and `predict`, where training's
         # count is capped for a reason theirs is not; `None`: `config`.
         self._inference_config = None
@@ -154,11 +154,11 @@ class GuardSession:
             UnsupportedTrainingSetupError: If `micro_batches` above one was
                 asked for a model with stateful layers.
         """
-        if self.own_train_step is not None and model is not self.model:
-            # Another model: its own step, if any, is found again.
+        if self.whole_step is not None and model is not self.model:
+            # Another model: whether its batches train whole is found again.
             self.config = self._inference_config or self.config
             self.controller.config = self.config
-            self.own_train_step = self._inference_config = None
+            self.whole_step = self._inference_config = None
         self.model = model
         self.reader = shared_reader(model)
         self.reader.register(self, self.options.memory_limit)
@@ -174,31 +174,30 @@ class GuardSession:
             for controller in self._inference_controllers.values():
                 controller.config = self.config
 
-    def train_whole_batches(self, class_name, backend):
-        """Trains the batches of a model with its own `train_step` whole.
+    def train_whole_batches(self, whole, backend):
+        """Trains the model's batches whole, as plain `fit` runs them.
 
-        Nothing inside another `train_step` can be split: the training count
-        is capped at one, as plain `fit` runs it, and the guard watches
-        memory and explains an out-of-memory error (the backend's run reads
-        an XLA step before it runs). `evaluate` and `predict`, which do not
-        go through `train_step`, keep their slices. Warns once per session.
+        Where nothing can be split (a model's own `train_step`; a JAX step
+        under `keras.distribution`), the training count is capped at one and
+        the guard watches memory and explains an out-of-memory error (the
+        backend's run reads an XLA step before it runs). `evaluate` and
+        `predict` keep their own configuration. Warns once per session.
 
         Args:
-            class_name: The model's class name, for the messages.
-            backend: The Keras backend's name (the messages' hints differ).
+            whole: The `messages.WholeStep` that says why, for the messages.
+            backend: The Keras backend's name (the warning differs).
 
         Raises:
             UnsupportedTrainingSetupError: If `micro_batches` above one was
                 asked for.
         """
-        hint = messages.own_step_split_hint(class_name, backend)
         if self.options.micro_batches > 1:
             raise UnsupportedTrainingSetupError(
-                messages.own_train_step(class_name, self.options.micro_batches, hint)
+                messages.whole_step_refused(whole, self.options.micro_batches)
             )
-        if self.own_train_step is None:
-            logger.warning("%s", messages.own_step_whole_batches(class_name, hint, backend))
-        self.own_train_step = (class_name, hint)
+        if self.whole_step is None:
+            logger.warning("%s", messages.whole_step_batches(whole, backend))
+        self.whole_step = whole
         if self.config.max_micro_batches != 1:
             if self._inference_config is None:
                 self._inference_config = self.config

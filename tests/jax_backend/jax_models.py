@@ -171,3 +171,25 @@ def max_weight_difference(a, b, trainable_only=False):
         float(np.max(np.abs(np.asarray(u, "float64") - np.asarray(v, "float64"))))
         for u, v in pairs
     )
+
+
+def assert_weights_kept_a_split_refused_and_it_trains_on(model, before, x, y, guard, loss_key):
+    """After a whole batch ran out of memory: the weights `before`, bit for bit.
+
+    Then `micro_batches=4` is refused at `fit`'s start, and the same model
+    trains on once its step no longer fails (`model.fails`).
+    """
+    import pytest
+
+    import keras_memguard
+    from keras_memguard.errors import UnsupportedTrainingSetupError
+
+    for want, got in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    split = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
+    with pytest.raises(UnsupportedTrainingSetupError, match="Received: micro_batches=4"):
+        model.fit(x, y, batch_size=20, verbose=0, callbacks=[split])
+    model.fails = False
+    model.make_train_function(force=True)
+    history = model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[guard]).history
+    assert history["micro_batches"] == [1] and np.isfinite(history[loss_key][0]), history

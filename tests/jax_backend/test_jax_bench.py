@@ -44,6 +44,16 @@ def test_bench_jax_guard_smoke_run():
 GPU_SCRIPT = SCRIPT.parent / "bench_jax_gpu.py"
 
 
+def gpu_bench():
+    """`bench_jax_gpu`, imported from its folder."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_jax_gpu
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return bench_jax_gpu
+
+
 def test_bench_jax_gpu_says_it_needs_a_gpu_where_there_is_none(tmp_path):
     # The script runs its parts on an NVIDIA GPU only; without nvidia-smi
     # on the PATH it stops at once, saying so.
@@ -59,13 +69,20 @@ def test_bench_jax_gpu_says_it_needs_a_gpu_where_there_is_none(tmp_path):
 @pytest.mark.slow
 def test_bench_jax_gpu_own_step_part_runs_on_the_cpu(capsys):
     # The GPU part's code, on the CPU with a limit given: every `fit` trains.
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import bench_jax_gpu
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    bench_jax_gpu = gpu_bench()
     bench_jax_gpu.part_own_step(32, memory_limit=1 << 30)
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()
             if line.startswith("{")]
     assert [r["run"] for r in rows] == ["plain", "guard", "guard, then a smaller batch"], rows
     assert all(r["error"] is None and r["weights"] == "changed" for r in rows), rows
+
+
+@pytest.mark.slow
+def test_bench_jax_gpu_whole_part_runs_on_the_cpu(capsys):
+    # The GPU part's code, on the CPU's two devices with a limit given.
+    bench_jax_gpu = gpu_bench()
+    bench_jax_gpu.part_whole(8, rounds=1, steps=2, memory_limit=1 << 30)
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+            if line.startswith("{")]
+    assert [(r["setup"], r["devices"]) for r in rows] == [("own_step", 2), ("data_parallel", 2)]
+    assert all(r["largest_weight_difference"] < 1e-5 and r["guard_step_ms"] > 0 for r in rows), rows

@@ -20,6 +20,7 @@ import keras
 import keras_memguard
 from split_cases import assert_only_the_coupled_loss_is_warned_about
 from split_cases import assert_summed_loss_evaluates_as_unsliced
+from jax_models import assert_weights_kept_a_split_refused_and_it_trains_on
 from jax_models import make_mlp
 from jax_models import make_wide_mlp
 from jax_models import max_weight_difference
@@ -640,20 +641,11 @@ def test_an_own_train_step_out_of_memory_is_named_and_micro_batches_are_refused(
     guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan_cache=False)
     with pytest.raises(MicroBatchTooLargeError) as info:
         model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[guard])
-    # `fit` took the weights out of the model; the step failed before it
-    # ran, so they are put back (plain `fit` leaves the model without them).
-    for want, got in zip(before, model.get_weights()):
-        np.testing.assert_array_equal(got, want)
     assert "Out of memory on a batch of 20 samples, which MemoryGuard cannot split: the " \
         "own `train_step` of OwnStepSequential runs the whole batch" in str(info.value), info.value
-    split = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
-    with pytest.raises(UnsupportedTrainingSetupError, match="Received: micro_batches=4"):
-        model.fit(x, y, batch_size=20, verbose=0, callbacks=[split])
-    # Nothing lost: the same model trains on once its batches fit.
-    model.fails = False
-    model.make_train_function(force=True)
-    history = model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[guard]).history
-    assert history["micro_batches"] == [1] and np.isfinite(history["half_loss"][0]), history
+    # `fit` took the weights out of the model; the step failed before it
+    # ran, so they are put back (plain `fit` leaves the model without them).
+    assert_weights_kept_a_split_refused_and_it_trains_on(model, before, x, y, guard, "half_loss")
 
 
 def test_the_mixin_refuses_an_own_train_step_it_would_have_replaced():

@@ -1,4 +1,4 @@
-"""What the JAX core cannot guard is refused before `fit`, naming it."""
+"""What the JAX core cannot guard is refused before `fit`, naming it; what it can, passes."""
 
 import keras
 import pytest
@@ -6,22 +6,24 @@ import pytest
 from jax_models import make_mlp
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.backends.jax import check_supported
+from keras_memguard.backends.jax.support import distribution_text
 
 
 def test_a_plain_model_is_supported():
     check_supported(make_mlp())
 
 
-def test_data_parallel_is_refused_naming_it():
+def test_data_parallel_is_supported_and_named():
     devices = keras.distribution.list_devices()
     assert len(devices) == 2  # tests/jax_backend/conftest.py
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
     try:
-        model = make_mlp()
-        with pytest.raises(UnsupportedTrainingSetupError, match="DataParallel over 2 devices"):
-            check_supported(model)
+        # Its batches train whole (tests/jax_backend/test_jax_distribution.py).
+        assert check_supported(make_mlp()) is None
+        assert distribution_text() == "DataParallel over 2 devices"
     finally:
         keras.distribution.set_distribution(None)
+    assert distribution_text() is None
 
 
 def test_eager_runs_are_refused_and_an_own_train_step_is_not():

@@ -16,6 +16,7 @@ from keras_memguard.decider import validate_micro_batches
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.backends.jax.replay import ReplayingTrainFunction
 from keras_memguard.backends.jax.replay import double_micro_batches
+from keras_memguard.backends.jax.support import distribution_text
 from keras_memguard import step_functions as functions
 from keras_memguard.whole_batches import check_micro_batches
 
@@ -68,10 +69,9 @@ class MemGuardMixin:
     @micro_batches.setter
     def micro_batches(self, value):
         # Plain Python state, kept out of Keras' attribute tracking.
-        object.__setattr__(
-            self, "_memguard_micro_batches",
-            check_micro_batches(self, validate_micro_batches(value)),
-        )
+        value = check_micro_batches(self, validate_micro_batches(value))
+        _check_distribution(self, value)
+        object.__setattr__(self, "_memguard_micro_batches", value)
 
     @property
     def micro_batch_mode(self):
@@ -90,9 +90,13 @@ class MemGuardMixin:
     def make_train_function(self, force=False):
         """Makes the micro-batched, replaying train function (once).
 
+        Under `keras.distribution` at one micro-batch, Keras' own train
+        function: the micro-batched step is compiled for one device.
+
         Raises:
             UnsupportedTrainingSetupError: If the class has a `train_step`
-                of its own, which cannot be micro-batched on JAX.
+                of its own, which cannot be micro-batched on JAX, or if
+                `micro_batches` is above one under `keras.distribution`.
         """
         if self.train_function is not None and not force:
             return self.train_function
@@ -102,6 +106,9 @@ class MemGuardMixin:
             raise UnsupportedTrainingSetupError(
                 messages.mixin_own_step(type(self).__name__, "JAX")
             )
+        if distribution_text() is not None:
+            _check_distribution(self, self.micro_batches)
+            return super().make_train_function(force)
         return functions.set_train_function(
             self,
             ReplayingTrainFunction(
@@ -128,4 +135,13 @@ class MemGuardMixin:
             "own) runs on Keras' TensorFlow backend only for now; on JAX, "
             "MemGuardMixin micro-batches Keras' own train step. HINT: move "
             "the loss into `compute_loss` and drop the `train_step` override."
+        )
+
+
+def _check_distribution(model, micro_batches):
+    """Refuses more than one micro-batch under `keras.distribution`."""
+    distributed = distribution_text()
+    if micro_batches > 1 and distributed is not None:
+        raise UnsupportedTrainingSetupError(
+            messages.mixin_distributed(type(model).__name__, distributed, micro_batches)
         )

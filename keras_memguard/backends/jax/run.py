@@ -1,9 +1,10 @@
 """`MemoryGuard` on Keras' JAX backend: the glue for one `fit`, `evaluate` or `predict`.
 
-A model whose class has a `train_step` of its own trains each batch whole
-through Keras' own train function (`WholeTrainFunction`), as in plain
-`fit`: the guard reads memory around it and names that step when a batch
-runs out of memory. Otherwise the guard trains through the JAX training core
+A model whose class has a `train_step` of its own, or any model under
+`keras.distribution` (the micro-batched step is compiled for one device),
+trains each batch whole through Keras' own train function
+(`WholeTrainFunction`), as in plain `fit`: the guard reads memory around
+it and names that step when a batch runs out of memory. Otherwise the guard trains through the JAX training core
 (`keras_memguard.backends.jax`): a `ReplayingTrainFunction` put inside the
 model's logs carrier, which, before a batch of a new shape runs, compiles
 the micro-batched step for candidate counts and plans from what XLA says
@@ -51,6 +52,7 @@ from keras_memguard.backends.jax.replay import WholeTrainFunction
 from keras_memguard.backends.jax.replay import is_out_of_memory
 from keras_memguard.backends.jax.step import batch_size_of
 from keras_memguard.backends.jax.support import check_supported
+from keras_memguard.backends.jax.support import distribution_text
 
 logger = logging.getLogger("keras_memguard")
 
@@ -148,11 +150,17 @@ class JaxTrainingRun:
         if reason is not None:
             raise UnsupportedTrainingSetupError(reason)
         check_supported(model)
-        whole = compat.overrides_train_step(model)
-        if whole:
-            # A step of the model's own: nothing in it can be split, so
-            # Keras' own train function runs it whole, as in plain `fit`.
-            session.train_whole_batches(type(model).__name__, "jax")
+        whole = None
+        distributed = distribution_text()
+        if compat.overrides_train_step(model):
+            # A step of the model's own: nothing in it can be split.
+            whole = messages.own_step_whole(type(model).__name__, "jax")
+        elif distributed is not None:
+            # The micro-batched step is compiled for one device.
+            whole = messages.distributed_whole(type(model).__name__, distributed)
+        if whole is not None:
+            # Keras' own train function runs each batch whole, as in plain `fit`.
+            session.train_whole_batches(whole, "jax")
         if not session.started:
             session.start(self.limit_bytes, 0, 0)
         if whole:
@@ -371,18 +379,29 @@ class JaxInferenceRun:
         self.function.plan = self._plan
         self.function.on_out_of_memory = self._on_out_of_memory
         self._previous = None
+        self._installed = False
         self._key = None
 
     def begin(self):
-        """Installs the sliced function in place of Keras' own."""
+        """Installs the sliced function in place of Keras' own.
+
+        Under `keras.distribution` Keras' own function runs each batch
+        whole, as in plain `evaluate`: the sliced one is compiled for one
+        device.
+        """
         check_supported(self.model)
+        if distribution_text() is not None:
+            return
         self._previous = shared.install_inference_function(
             self.model, self.kind, self.function
         )
+        self._installed = True
 
     def end(self):
         """Puts Keras' own function back."""
-        shared.restore_inference_function(self.model, self.kind, self._previous)
+        if self._installed:
+            shared.restore_inference_function(self.model, self.kind, self._previous)
+            self._installed = False
 
     def after_batch(self):
         """Nothing after a batch: the plan is per shape, made before it."""

@@ -1,4 +1,4 @@
-"""What the JAX training core cannot guard yet, said before `fit` starts."""
+"""What the JAX training core cannot guard, said before `fit` starts."""
 
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.backends import compat
@@ -30,18 +30,22 @@ def unsupported_reason(model):
             "or `\"auto\"`, `run_eagerly=False`); the guard's step is then "
             "the compiled one `fit` would run."
         )
-    distribution = compat.distribution()
-    if distribution is not None:
-        devices = getattr(getattr(distribution, "device_mesh", None), "devices", None)
-        count = getattr(devices, "size", None)
-        return (
-            "Planning and micro-batching under `keras.distribution` "
-            f"({type(distribution).__name__}"
-            + (f" over {count} devices" if count else "")
-            + ") is not supported on the JAX backend yet. HINT: train on one "
-            "device, or without `MemoryGuard`."
-        )
     return None
+
+
+def distribution_text():
+    """The global `keras.distribution` in words, or `None` where none is set.
+
+    Under a distribution Keras spreads each batch over the devices of its
+    mesh; the micro-batched step is compiled for one device, so the guard
+    and the mixin run Keras' own step there.
+    """
+    distribution = compat.distribution()
+    if distribution is None:
+        return None
+    devices = getattr(getattr(distribution, "device_mesh", None), "devices", None)
+    count = getattr(devices, "size", None)
+    return type(distribution).__name__ + (f" over {count} devices" if count else "")
 
 
 def check_supported(model):

@@ -99,7 +99,9 @@ class TfTrainingRun:
         """Checks the model, starts the decider where no plan hook will, installs."""
         session, model = self.session, self.model
         if not _trains_with_default_step(model):
-            session.train_whole_batches(type(model).__name__, "tensorflow")
+            session.train_whole_batches(
+                messages.own_step_whole(type(model).__name__, "tensorflow"), "tensorflow"
+            )
         self.multi_worker = multi_worker.is_multi_worker(model.distribute_strategy)
         self.xla = xla_memory.uses_xla(model) and not self.multi_worker
         if not self.multi_worker and compat.summed_added_losses(model) is None:
@@ -323,7 +325,7 @@ class TfTrainingRun:
                 lambda: xla_memory.step_memory(self.function.step_for(count), data, count),
             )
 
-        if session.stateful_layers or session.own_train_step:
+        if session.stateful_layers or session.whole_step:
             # Whole batches only: the step runs as in plain `fit`, unless its
             # program cannot fit beside the memory in use at all, or its
             # buffers find no place in the free memory (an error inside the
@@ -348,8 +350,8 @@ class TfTrainingRun:
                         before or 0, limit, no_block,
                     )
                 else:
-                    message = messages.own_step_too_large(
-                        batch_size, session.own_train_step, memory.demand_bytes,
+                    message = messages.whole_step_too_large(
+                        batch_size, session.whole_step, memory.demand_bytes,
                         before or 0, limit, no_block,
                     )
                 raise MicroBatchTooLargeError(message, limit_bytes=limit)

@@ -168,7 +168,9 @@ class TorchTrainingRun:
         if compat.overrides_train_step(model):
             # A step of the model's own: nothing in it can be split, so it
             # runs whole, as in plain `fit`.
-            session.train_whole_batches(type(model).__name__, "torch")
+            session.train_whole_batches(
+                messages.own_step_whole(type(model).__name__, "torch"), "torch"
+            )
             whole_step = model.train_step
         if not session.started and not session.options.plan:
             self._start(None)

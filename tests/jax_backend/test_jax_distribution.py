@@ -1,0 +1,126 @@
+"""`keras.distribution` on JAX: the guard and the mixin train as plain `fit`.
+
+The micro-batched step is compiled for one device, so under a distribution
+the guard runs Keras' own train, test and predict functions on whole
+batches; it used to refuse such a `fit`, and the mixin failed inside JAX
+with a sharding mismatch. Two CPU devices (tests/jax_backend/conftest.py).
+"""
+
+import logging
+
+import jax
+import numpy as np
+import pytest
+
+import keras
+
+import keras_memguard
+from jax_models import assert_weights_kept_a_split_refused_and_it_trains_on
+from jax_models import make_mlp
+from jax_models import max_weight_difference
+from jax_models import mlp_data
+from jax_models import twins
+from keras_memguard.errors import MicroBatchTooLargeError
+from keras_memguard.errors import UnsupportedTrainingSetupError
+
+WHERE = "`keras.distribution` (DataParallel over 2 devices)"
+
+
+@pytest.fixture
+def data_parallel():
+    devices = keras.distribution.list_devices()
+    assert len(devices) == 2
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    yield
+    keras.distribution.set_distribution(None)
+
+
+class FailingSequential(keras.Sequential):
+    """Raises XLA's out-of-memory error while the step is traced, when told.
+
+    The seam JAX's CPU backend cannot reach at these sizes (raised in
+    `compute_loss`, inside Keras' own step); what `fit` does with the error
+    is the real code.
+    """
+
+    fails = False
+
+    def compute_loss(self, *args, **kwargs):
+        if self.fails:
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Out of memory allocating 4096 bytes.", 8
+            )
+        return super().compute_loss(*args, **kwargs)
+
+
+def make_failing_mlp():
+    model = FailingSequential([
+        keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_a_guarded_fit_trains_whole_batches_as_plain_fit(data_parallel, caplog):
+    x, y = mlp_data()
+    plain, model = twins(make_mlp)
+    expected = plain.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0).history
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan_cache=False)
+    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
+        history = model.fit(
+            x, y, batch_size=20, epochs=2, shuffle=False, verbose=0,
+            validation_data=(x, y), callbacks=[guard],
+        ).history
+        evaluated = model.evaluate(x, y, batch_size=50, verbose=0, callbacks=[guard])
+        predicted = model.predict(x, batch_size=50, verbose=0, callbacks=[guard])
+    assert history["micro_batches"] == [1, 1], history
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-6)
+    assert max_weight_difference(model, plain) < 1e-6
+    assert evaluated == pytest.approx(plain.evaluate(x, y, batch_size=50, verbose=0), rel=1e-6)
+    np.testing.assert_allclose(predicted, plain.predict(x, batch_size=50, verbose=0), atol=1e-6)
+    told = [r.getMessage() for r in caplog.records if "trains the batches of" in r.getMessage()]
+    assert len(told) == 1 and WHERE in told[0] and "train on one device" in told[0], told
+
+
+def test_out_of_memory_is_named_the_weights_kept_and_a_split_refused(data_parallel):
+    x, y = mlp_data()
+    model = make_failing_mlp()
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan_cache=False)
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[guard])  # builds it
+    before = [np.array(w) for w in model.get_weights()]
+    model.fails = True
+    model.make_train_function(force=True)  # traced again at the next batch
+    with pytest.raises(MicroBatchTooLargeError) as info:
+        model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[guard])
+    assert (
+        "Out of memory on a batch of 20 samples, which MemoryGuard cannot split: "
+        f"Keras' train step under {WHERE} runs the whole batch"
+    ) in str(info.value), info.value
+    assert_weights_kept_a_split_refused_and_it_trains_on(model, before, x, y, guard, "loss")
+
+
+def test_the_mixin_trains_kerass_step_and_refuses_a_split(data_parallel):
+    class Net(keras_memguard.MemGuardMixin, keras.Sequential):
+        pass
+
+    def build():
+        net = Net([
+            keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(3, activation="softmax"),
+        ])
+        net.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        return net
+
+    x, y = mlp_data()
+    plain, net = twins(build)
+    expected = plain.fit(x, y, batch_size=20, shuffle=False, verbose=0).history
+    history = net.fit(x, y, batch_size=20, shuffle=False, verbose=0).history
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-6)
+    assert max_weight_difference(net, plain) < 1e-6
+    # It used to fail inside JAX: "Computation was compiled for input
+    # shardings that disagree with the shardings of arguments passed to it".
+    with pytest.raises(UnsupportedTrainingSetupError) as info:
+        net.micro_batches = 2
+    assert f"MemGuardMixin cannot micro-batch Net under {WHERE}" in str(info.value)
+    assert "Received: micro_batches=2" in str(info.value) and net.micro_batches == 1
