@@ -124,3 +124,14 @@ def test_the_mixin_trains_kerass_step_and_refuses_a_split(data_parallel):
         net.micro_batches = 2
     assert f"MemGuardMixin cannot micro-batch Net under {WHERE}" in str(info.value)
     assert "Received: micro_batches=2" in str(info.value) and net.micro_batches == 1
+
+
+def test_find_batch_size_says_its_answer_is_one_devices(data_parallel, caplog):
+    x, y = mlp_data()
+    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
+        found = keras_memguard.find_batch_size(
+            make_mlp(), x, y, memory_limit=1 << 26, max_batch_size=4096, verbose=0
+        )
+    assert found.largest_batch_size > 0
+    told = [r.getMessage() for r in caplog.records if "find_batch_size compiles" in r.getMessage()]
+    assert len(told) == 1 and "DataParallel over 2 devices" in told[0], told

@@ -10,13 +10,18 @@ the model's variables are never touched. The interface is the one every
 backend's `finder` module has (see `keras_memguard.backends`).
 """
 
+import logging
+
 import keras
 import numpy as np
 
 import jax
 
 from keras_memguard.backends.jax.compiled import StepCache
+from keras_memguard.backends.jax.support import distribution_text
 from keras_memguard.backends import compat
+
+logger = logging.getLogger("keras_memguard")
 
 # How the search runs here: compiled steps' memory analyses, no steps.
 SEARCH = "compiled"
@@ -171,6 +176,15 @@ def step_analyser(model, first):
     print(analyse(256).demand_bytes)
     ```
     """
+    distributed = distribution_text()
+    if distributed is not None:
+        logger.warning(
+            "find_batch_size compiles the train step for one device; under "
+            "`keras.distribution` (%s) Keras spreads each batch over the "
+            "devices of its mesh, so the answer is the batch one device "
+            "trains whole, not the largest that `fit` trains there.",
+            distributed,
+        )
     cache = StepCache(model)
     state = _state_spec(model)
 
