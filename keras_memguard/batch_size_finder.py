@@ -173,7 +173,9 @@ class BatchSizeResult(NamedTuple):
         bytes_per_sample: The step's memory per sample, from the model.
         batch_size: The batch asked about, or `None`.
         micro_batches: The micro-batch count `MemoryGuard` would plan for
-            `batch_size` (1 when it fits whole), or `None`.
+            `batch_size` (1 when it fits whole), or `None` (no `batch_size`
+            given, or on JAX under `keras.distribution`, where batches are
+            not split, one that does not fit whole).
         trials: Every `BatchTrial`, in order.
         out_of_memory_errors: Trials that ran out of memory (each a
             prediction that was wrong; 0 in the normal case).
@@ -660,12 +662,20 @@ def _compiled_search(model, backend, probe, first, limit, threshold, max_batch_s
             limit_bytes=limit,
         )
     largest, usage, before = best
+    # Under a distribution each batch is a multiple of its shards: the
+    # step of `largest` was analysed at the next multiple, which fits.
+    multiple = backend.batch_multiple(model)
+    if multiple > 1:
+        rounded = -(-largest // multiple) * multiple
+        largest = rounded if rounded <= upper else max(multiple, largest // multiple * multiple)
     micro_batches = None
     if batch_size is not None:
         # Never a micro-batch larger than the largest batch that fits.
         fewest = -(-batch_size // largest)
         micro_batches = fewest
-        if fewest > 1:
+        if fewest > 1 and multiple > 1:
+            micro_batches = None  # Such a step is not split (`MemoryGuard`).
+        elif fewest > 1:
             planned = plan_micro_batches(
                 lambda k: analyse(batch_size, k),
                 batch_size,

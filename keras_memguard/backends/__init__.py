@@ -45,7 +45,8 @@ A backend's `protocol` module provides:
   source, size)` (which raises `TrialsCannotGoOn` where no further trial
   can run in this process) and `largest_compiled(model, source, room,
   ran, upper)`,
-  for a compiled search `step_analyser(model, first)`.
+  for a compiled search `step_analyser(model, first)` and
+  `batch_multiple(model)` (what every batch must be a multiple of).
 - `advice()`: the backend's `advice` module, what `advise`'s measuring
   child asks of it: `NAME`, `UNAVAILABLE` (`{variant: reason}` for the
   variants the backend does not have), `unsupported(model)`,

@@ -126,12 +126,38 @@ def test_the_mixin_trains_kerass_step_and_refuses_a_split(data_parallel):
     assert "Received: micro_batches=2" in str(info.value) and net.micro_batches == 1
 
 
-def test_find_batch_size_says_its_answer_is_one_devices(data_parallel, caplog):
-    x, y = mlp_data()
-    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
+def small_cnn():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((32, 32, 3)), keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10),
+    ])
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_find_batch_size_answers_the_batch_the_devices_train_together():
+    # It used to compile the step for one device: about half the answer.
+    x = np.zeros((64, 32, 32, 3), "float32")
+    y = np.zeros((64,), "int64")
+    limit = 200 * 2**20
+    one = keras_memguard.find_batch_size(small_cnn(), x, y, memory_limit=limit, verbose=0)
+    devices = keras.distribution.list_devices()
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    try:
         found = keras_memguard.find_batch_size(
-            make_mlp(), x, y, memory_limit=1 << 26, max_batch_size=4096, verbose=0
+            small_cnn(), x, y, memory_limit=limit, batch_size=512, verbose=0
         )
-    assert found.largest_batch_size > 0
-    told = [r.getMessage() for r in caplog.records if "find_batch_size compiles" in r.getMessage()]
-    assert len(told) == 1 and "DataParallel over 2 devices" in told[0], told
+        answer = found.largest_batch_size
+        # Weights and Adam's slots are on each device: less than twice.
+        assert 1.5 * one.largest_batch_size < answer < 2 * one.largest_batch_size, (
+            answer, one.largest_batch_size)
+        assert answer % 2 == 0 and found.micro_batches == 1, found
+        # Keras shards a batch only in whole parts: the answer trains.
+        model = small_cnn()
+        model.fit(np.zeros((answer, 32, 32, 3), "float32"), np.zeros((answer,), "int64"),
+                  batch_size=answer, verbose=0)
+    finally:
+        keras.distribution.set_distribution(None)

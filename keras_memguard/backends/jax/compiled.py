@@ -46,10 +46,17 @@ def step_memory(compiled, micro_batches):
 
 
 def spec_of(tree):
-    """The `jax.ShapeDtypeStruct`s of a tree of arrays (or of specs)."""
-    return jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree
-    )
+    """The `jax.ShapeDtypeStruct`s of a tree of arrays (or of specs).
+
+    A spec keeps the sharding it was given (`find_batch_size` under
+    `keras.distribution`); an array's is left to `jit`.
+    """
+
+    def spec(a):
+        sharding = a.sharding if isinstance(a, jax.ShapeDtypeStruct) else None
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map(spec, tree)
 
 
 def shape_key(data):

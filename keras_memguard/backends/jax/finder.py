@@ -10,18 +10,16 @@ the model's variables are never touched. The interface is the one every
 backend's `finder` module has (see `keras_memguard.backends`).
 """
 
-import logging
-
 import keras
 import numpy as np
 
 import jax
 
 from keras_memguard.backends.jax.compiled import StepCache
+from keras_memguard.backends.jax.support import batch_shards
+from keras_memguard.backends.jax.support import data_sharding
 from keras_memguard.backends.jax.support import distribution_text
 from keras_memguard.backends import compat
-
-logger = logging.getLogger("keras_memguard")
 
 # How the search runs here: compiled steps' memory analyses, no steps.
 SEARCH = "compiled"
@@ -127,21 +125,32 @@ def uses_compiled_step(model):
 
 
 def _state_spec(model):
-    """The shapes of the state `fit` passes its train step."""
+    """The shapes of the state `fit` passes its train step.
+
+    Under `keras.distribution`, with each variable's sharding: the
+    compiled step's analysis is then one device's share.
+    """
     groups = (
         model.trainable_variables,
         model.non_trainable_variables,
         model.optimizer.variables if model.optimizer is not None else [],
         model.metrics_variables,
     )
-    return tuple(
-        [jax.ShapeDtypeStruct(tuple(v.shape), v.value.dtype) for v in group]
-        for group in groups
-    )
+    distributed = distribution_text() is not None
+
+    def spec(variable):
+        value = variable.value
+        sharding = value.sharding if distributed else None
+        return jax.ShapeDtypeStruct(tuple(variable.shape), value.dtype, sharding=sharding)
+
+    return tuple([spec(v) for v in group] for group in groups)
 
 
 def _batch_spec(first, size):
-    """The batch of `size` samples `fit` passes the step, as shapes."""
+    """The batch of `size` samples `fit` passes the step, as shapes.
+
+    Under `keras.distribution`, sharded as Keras shards `fit`'s batches.
+    """
 
     def spec(array):
         if array is None:
@@ -149,12 +158,19 @@ def _batch_spec(first, size):
         dtype = jax.dtypes.canonicalize_dtype(array.dtype)
         if not array.ndim:
             return jax.ShapeDtypeStruct((), dtype)
-        return jax.ShapeDtypeStruct((size,) + tuple(array.shape[1:]), dtype)
+        shape = (size,) + tuple(array.shape[1:])
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=data_sharding(shape))
 
     x, y, sample_weight = keras.tree.map_structure(spec, first)
     return keras.utils.pack_x_y_sample_weight(
         *(p for p in (x, y, sample_weight) if p is not None)
     )
+
+
+def batch_multiple(model):
+    """What every batch must be a multiple of: the distribution's batch shards."""
+    del model
+    return batch_shards()
 
 
 def step_analyser(model, first):
@@ -176,19 +192,13 @@ def step_analyser(model, first):
     print(analyse(256).demand_bytes)
     ```
     """
-    distributed = distribution_text()
-    if distributed is not None:
-        logger.warning(
-            "find_batch_size compiles the train step for one device; under "
-            "`keras.distribution` (%s) Keras spreads each batch over the "
-            "devices of its mesh, so the answer is the batch one device "
-            "trains whole, not the largest that `fit` trains there.",
-            distributed,
-        )
     cache = StepCache(model)
     state = _state_spec(model)
+    multiple = batch_shards()
 
     def analyse(batch_size, micro_batches=1):
-        return cache.memory(micro_batches, state, _batch_spec(first, batch_size))
+        # Keras shards a batch only in whole parts: the next multiple's step.
+        size = -(-batch_size // multiple) * multiple
+        return cache.memory(micro_batches, state, _batch_spec(first, size))
 
     return analyse

@@ -48,6 +48,30 @@ def distribution_text():
     return type(distribution).__name__ + (f" over {count} devices" if count else "")
 
 
+def data_sharding(shape):
+    """The sharding Keras gives a batch of `shape` under the distribution, or `None`."""
+    distribution = compat.distribution()
+    if distribution is None:
+        return None
+    return distribution.get_data_layout(tuple(shape)).backend_layout
+
+
+def batch_shards():
+    """Into how many parts the distribution splits a batch (1 without one).
+
+    Keras requires every batch to be a multiple of it.
+    """
+    sharding = data_sharding((1,))
+    if sharding is None or not sharding.spec or sharding.spec[0] is None:
+        return 1
+    names = sharding.spec[0]
+    names = names if isinstance(names, tuple) else (names,)
+    count = 1
+    for name in names:
+        count *= sharding.mesh.shape[name]
+    return count
+
+
 def check_supported(model):
     """Raises if the micro-batched JAX step cannot train `model`.
 
