@@ -4,7 +4,8 @@ A model whose class has a `train_step` of its own, or any model under
 `keras.distribution` (the micro-batched step is compiled for one device),
 trains each batch whole through Keras' own train function
 (`WholeTrainFunction`), as in plain `fit`: the guard reads memory around
-it and names that step when a batch runs out of memory. Otherwise the guard trains through the JAX training core
+it and names that step when a batch runs out of memory. Otherwise the
+guard trains through the JAX training core
 (`keras_memguard.backends.jax`): a `ReplayingTrainFunction` put inside the
 model's logs carrier, which, before a batch of a new shape runs, compiles
 the micro-batched step for candidate counts and plans from what XLA says
