@@ -7,14 +7,17 @@ import keras
 VOCAB, MAXLEN, EMBED = 32, 8, 8
 
 
+def mlp_layers():
+    """The MLP's layers, for a `Sequential` class of a test's own."""
+    return [
+        keras.Input((8,)),
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(3, activation="softmax"),
+    ]
+
+
 def make_mlp():
-    model = keras.Sequential(
-        [
-            keras.Input((8,)),
-            keras.layers.Dense(16, activation="relu"),
-            keras.layers.Dense(3, activation="softmax"),
-        ]
-    )
+    model = keras.Sequential(mlp_layers())
     model.compile(
         optimizer=keras.optimizers.Adam(1e-2),
         loss="sparse_categorical_crossentropy",

@@ -25,6 +25,7 @@ from jax_models import make_mlp
 from jax_models import make_wide_mlp
 from jax_models import max_weight_difference
 from jax_models import mlp_data
+from jax_models import mlp_layers
 from jax_models import twins
 from jax_models import wide_data
 from xla_errors import autotuner_out_of_memory
@@ -604,11 +605,7 @@ class OwnStepSequential(keras.Sequential):
 
 
 def make_own_step():
-    model = OwnStepSequential([
-        keras.Input((8,)),
-        keras.layers.Dense(16, activation="relu"),
-        keras.layers.Dense(3, activation="softmax"),
-    ])
+    model = OwnStepSequential(mlp_layers())
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     return model
 

@@ -19,6 +19,7 @@ from jax_models import assert_weights_kept_a_split_refused_and_it_trains_on
 from jax_models import make_mlp
 from jax_models import max_weight_difference
 from jax_models import mlp_data
+from jax_models import mlp_layers
 from jax_models import twins
 from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.errors import UnsupportedTrainingSetupError
@@ -54,10 +55,7 @@ class FailingSequential(keras.Sequential):
 
 
 def make_failing_mlp():
-    model = FailingSequential([
-        keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-        keras.layers.Dense(3, activation="softmax"),
-    ])
+    model = FailingSequential(mlp_layers())
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     return model
 
@@ -105,10 +103,7 @@ def test_the_mixin_trains_kerass_step_and_refuses_a_split(data_parallel):
         pass
 
     def build():
-        net = Net([
-            keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-            keras.layers.Dense(3, activation="softmax"),
-        ])
+        net = Net(mlp_layers())
         net.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
         return net
 

@@ -18,7 +18,6 @@ import jax
 from keras_memguard.backends.jax.compiled import StepCache
 from keras_memguard.backends.jax.support import batch_shards
 from keras_memguard.backends.jax.support import data_sharding
-from keras_memguard.backends.jax.support import distribution_text
 from keras_memguard.backends import compat
 
 # How the search runs here: compiled steps' memory analyses, no steps.
@@ -136,7 +135,7 @@ def _state_spec(model):
         model.optimizer.variables if model.optimizer is not None else [],
         model.metrics_variables,
     )
-    distributed = distribution_text() is not None
+    distributed = compat.distribution() is not None
 
     def spec(variable):
         value = variable.value
