@@ -4,6 +4,8 @@ The TensorFlow, JAX and PyTorch test runs import this module alike: it
 needs Keras and numpy, nothing of a backend.
 """
 
+import copy
+
 import keras
 import numpy as np
 
@@ -368,6 +370,63 @@ def assert_several_masked_loss_terms_are_warned_about_once(recwarn):
     assert len(told) == 1 and "has 2 loss terms" in told[0], told
 
 
+class TrialGuard(keras_memguard.MemoryGuard):
+    """A guard subclass with an argument of its own, as users write them."""
+
+    def __init__(self, tags, **kwargs):
+        super().__init__(**kwargs)
+        self.tags = tags
+
+
+def assert_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings(tmp_path):
+    """The guard and the monitor survive `copy.deepcopy` after a `fit`.
+
+    KerasTuner deep-copies the `callbacks` list before each trial and stops
+    the search when it cannot; the copies must train the next trial's new
+    model with the original settings and none of the first run's state.
+    """
+    log_dir = str(tmp_path / "logs")
+    settings = dict(
+        memory_limit=1 << 30, plan=False, micro_batches=2, log_dir=log_dir,
+        backup_dir=str(tmp_path / "backup"),
+    )  # fmt: skip
+    guard = TrialGuard(["trial"], **settings)
+    monitor = keras_memguard.MemoryMonitor(
+        log_dir=log_dir, update_freq=2, memory_limit=1 << 30, growth=True
+    )
+    x, y, _ = regression_data(64)
+    first = reduced_regression_model("sum_over_batch_size")
+    first.fit(x, y, batch_size=16, verbose=0, callbacks=[guard, monitor])
+
+    guard_copy, monitor_copy = copy.deepcopy([guard, monitor])
+
+    assert type(guard_copy) is TrialGuard and guard_copy is not guard
+    assert guard_copy.tags == ["trial"] and guard_copy.tags is not guard.tags
+    assert (guard_copy.log_dir, guard_copy.backup_dir) == (guard.log_dir, guard.backup_dir)
+    assert guard_copy.config == guard.config
+    assert guard.model is first and monitor.model is first
+    assert guard_copy.model is None and monitor_copy.model is None
+    assert guard_copy.session is not guard.session
+    assert guard_copy.state == TrialGuard(["trial"], **settings).state
+    assert type(monitor_copy) is keras_memguard.MemoryMonitor
+    assert (monitor_copy.log_dir, monitor_copy.update_freq) == (log_dir, 2)
+    assert monitor_copy.growth_enabled and monitor_copy.memory_limit == 1 << 30
+
+    # The next trial: a new model trained by the copies, as plain `fit` does.
+    reference = reduced_regression_model("sum_over_batch_size")
+    reference.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    second = reduced_regression_model("sum_over_batch_size")
+    history = second.fit(
+        x, y, batch_size=16, verbose=0, shuffle=False,
+        callbacks=[guard_copy, monitor_copy],
+    )  # fmt: skip
+    assert guard_copy.micro_batches == 2 and guard_copy.model is second
+    assert history.history["micro_batches"] == [2]
+    assert np.isfinite(history.history["host_rss_mib"]).all()
+    for got, want in zip(second.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+
+
 # Tests the JAX and PyTorch test modules import as they are (pytest
 # collects them there; this module's name is not a test file's).
 
@@ -391,3 +450,9 @@ def test_losses_the_layers_add_train_as_plain_fit(recwarn):
 
 def test_metric_functions_of_the_users_read_as_in_plain_fit():
     assert_metric_functions_read_as_plain_fit()
+
+
+def test_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings(tmp_path):
+    # KerasTuner stopped the search at its first trial: "All callbacks used
+    # during a search should be deep-copyable".
+    assert_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings(tmp_path)

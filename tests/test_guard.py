@@ -23,6 +23,7 @@ from keras_memguard.testing import run_with_memory_cap
 from keras_memguard.backends.tensorflow.replay import ReplayTrainFunction
 import programs
 from programs.common import design_cnn
+from split_cases import test_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings  # noqa: F401
 from tensorboard.backend.event_processing import event_accumulator
 
 MIB = 1024 * 1024

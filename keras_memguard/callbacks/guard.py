@@ -12,6 +12,7 @@ guard's `GuardSession` (`session.py`), which each run is handed.
 import keras
 
 from keras_memguard import backends
+from keras_memguard.callbacks import copies
 from keras_memguard.callbacks import guard_options
 from keras_memguard.callbacks import inference
 from keras_memguard.callbacks.session import GuardOptions
@@ -154,6 +155,19 @@ class MemoryGuard(keras.callbacks.Callback):
         self._run = None
         # `evaluate` / `predict` outside `fit`: the run now, or None.
         self._inference = None
+        # What `copy.deepcopy` makes a new guard from (`copies`).
+        self._arguments = dict(
+            threshold=threshold, release=release, mode=mode,
+            max_micro_batches=max_micro_batches, cooldown=cooldown,
+            micro_batches=micro_batches, memory_limit=memory_limit,
+            scale_learning_rate=scale_learning_rate, log_dir=log_dir,
+            backup_dir=backup_dir, plan=plan, plan_cache=plan_cache,
+            reserve_memory=reserve_memory, escalate=self.escalate,
+        )  # fmt: skip
+
+    def __deepcopy__(self, memo):
+        # A search copies its callbacks per trial: a new guard, same settings.
+        return copies.fresh_copy(self, MemoryGuard, self._arguments, memo)
 
     @property
     def config(self):

@@ -10,6 +10,7 @@ import keras
 from keras_memguard import backends
 from keras_memguard import growth as growth_test
 from keras_memguard import growth_check
+from keras_memguard.callbacks import copies
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks.sampling import resolve_limits
 from keras_memguard.callbacks.sampling import shared_reader
@@ -131,6 +132,13 @@ class MemoryMonitor(keras.callbacks.Callback):
         growth=False,
     ):
         super().__init__()
+        # What `copy.deepcopy` makes a new monitor from (`copies`).
+        self._arguments = dict(
+            log_dir=log_dir, update_freq=update_freq, memory_limit=memory_limit,
+            nvml=nvml, profile_spikes=profile_spikes,
+            spike_fraction=spike_fraction, max_profiles=max_profiles,
+            growth=growth,
+        )  # fmt: skip
         if update_freq not in ("batch", "epoch") and (
             isinstance(update_freq, bool)
             or not isinstance(update_freq, int)
@@ -247,6 +255,10 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._carrier = None
         if memory_limit is not None:
             check_memory_limit(memory_limit)
+
+    def __deepcopy__(self, memo):
+        # A search copies its callbacks per trial: a new monitor, same settings.
+        return copies.fresh_copy(self, MemoryMonitor, self._arguments, memo)
 
     def set_model(self, model):
         super().set_model(model)
