@@ -370,6 +370,52 @@ def assert_several_masked_loss_terms_are_warned_about_once(recwarn):
     assert len(told) == 1 and "has 2 loss terms" in told[0], told
 
 
+class MeanSquare(keras.layers.Layer):
+    """A statistic of the whole batch: one number, no batch dimension."""
+
+    def call(self, inputs):
+        return keras.ops.mean(keras.ops.square(inputs))
+
+
+def auxiliary_output_model(jit_compile="auto"):
+    """An MLP returning its prediction and a scalar statistic beside it.
+
+    Only the prediction has a loss, as in models that return an auxiliary
+    value (a load-balancing term, an attention statistic) to read.
+    """
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((12,))
+    hidden = keras.layers.Dense(32, activation="relu")(inputs)
+    outputs = [keras.layers.Dense(1, name="out")(hidden), MeanSquare(name="aux")(hidden)]
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        "adam", loss=["mse", None], metrics=[["mae", batch_std], None],
+        jit_compile=jit_compile,
+    )  # fmt: skip
+    return model
+
+
+def assert_an_output_without_a_batch_dimension_trains_as_plain_fit(
+    make_guard=fixed_split, jit_compile="auto"
+):
+    """A split step joins only the outputs that have a row per sample."""
+    x, y, _ = regression_data(96)
+    y = [y, np.zeros(len(y), "float32")]  # the statistic's target: unused
+    reference = auxiliary_output_model(jit_compile)
+    want = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = auxiliary_output_model(jit_compile)
+    got = model.fit(
+        x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+        callbacks=[make_guard()],
+    )  # fmt: skip
+    assert got.history["micro_batches"] == [4, 4]
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=2e-6)
+    for name in ("out_mae", "out_batch_std"):
+        np.testing.assert_allclose(got.history[name], want.history[name], rtol=2e-6)
+    for got_weight, want_weight in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got_weight, want_weight, rtol=0, atol=2e-6)
+
+
 class TrialGuard(keras_memguard.MemoryGuard):
     """A guard subclass with an argument of its own, as users write them."""
 
@@ -456,3 +502,8 @@ def test_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings(t
     # KerasTuner stopped the search at its first trial: "All callbacks used
     # during a search should be deep-copyable".
     assert_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings(tmp_path)
+
+
+def test_an_output_without_a_batch_dimension_trains_as_plain_fit():
+    # On JAX a split step raised IndexError joining a scalar output's parts.
+    assert_an_output_without_a_batch_dimension_trains_as_plain_fit()

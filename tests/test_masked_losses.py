@@ -22,6 +22,8 @@ from split_cases import assert_added_losses_train_as_plain_fit
 from split_cases import assert_metric_functions_read_as_plain_fit
 from split_cases import test_masked_losses_train_as_plain_fit  # noqa: F401
 from split_cases import test_several_masked_loss_terms_are_warned_about_once  # noqa: F401
+from split_cases import assert_an_output_without_a_batch_dimension_trains_as_plain_fit
+from split_cases import test_an_output_without_a_batch_dimension_trains_as_plain_fit  # noqa: F401
 
 VOCABULARY, TOKENS = 40, 12
 BATCH = 24
@@ -180,3 +182,7 @@ def test_metric_functions_of_the_users_read_as_in_plain_fit():
     # per batch 0.996 against 0.986: updated per micro-batch, each counted
     # as one value.
     assert_metric_functions_read_as_plain_fit()
+
+
+def test_an_output_without_a_batch_dimension_trains_as_plain_fit_with_xla():
+    assert_an_output_without_a_batch_dimension_trains_as_plain_fit(jit_compile=True)

@@ -19,6 +19,7 @@ from split_cases import test_several_masked_loss_terms_are_warned_about_once  # 
 from split_cases import test_losses_the_layers_add_train_as_plain_fit  # noqa: F401
 from split_cases import test_metric_functions_of_the_users_read_as_in_plain_fit  # noqa: F401
 from split_cases import assert_reduction_trains_as_plain_fit
+from split_cases import test_an_output_without_a_batch_dimension_trains_as_plain_fit  # noqa: F401
 
 from jax_models import USER_MODELS
 from jax_models import max_weight_difference

@@ -72,10 +72,32 @@ def _stacked(tree, start, count, size):
     )
 
 
-def _unstacked(tree):
-    return jax.tree_util.tree_map(
-        lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), tree
-    )
+def _whole_batch_outputs(parts):
+    """The batch's outputs from its micro-batches' outputs.
+
+    Args:
+        parts: `(y_pred, size, stacked)` per run of micro-batches: their
+            outputs, the micro-batch's size, and whether `y_pred` stacks
+            several micro-batches (a scan's, `(count, size, ...)`).
+
+    Returns:
+        The outputs' structure: an output with a row per sample is the
+        micro-batches' rows in order; an output without (a scalar a layer
+        returns beside the batch's outputs, an auxiliary statistic) is the
+        first micro-batch's, as it has no rows to join and the losses were
+        computed micro-batch by micro-batch.
+    """
+
+    def combine(*leaves):
+        rows = []
+        for leaf, (_, size, stacked) in zip(leaves, parts):
+            shape = leaf.shape[1:] if stacked else leaf.shape
+            if not shape or shape[0] != size:
+                return leaves[0][0] if parts[0][2] else leaves[0]
+            rows.append(leaf.reshape((-1,) + leaf.shape[2:]) if stacked else leaf)
+        return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
+
+    return jax.tree_util.tree_map(combine, *(y_pred for y_pred, _, _ in parts))
 
 
 def micro_batch_train_step(model, state, data, micro_batches):
@@ -145,10 +167,10 @@ def micro_batch_train_step(model, state, data, micro_batches):
         body = functools.partial(run, share=size / batch_size)
         if count == 1:
             carry, y_pred = body(carry, jax.tree_util.tree_map(lambda a: a[0], parts))
-            predictions.append(y_pred)
+            predictions.append((y_pred, size, False))
         else:
             carry, y_pred = jax.lax.scan(body, carry, parts)
-            predictions.append(_unstacked(y_pred))
+            predictions.append((y_pred, size, True))
     gradients, non_trainable, metrics_variables, loss, elements = carry
     # From the samples' share to the unmasked elements' share (1 where the
     # loss averaged over the samples: each micro-batch counted (1, 1)).
@@ -158,9 +180,7 @@ def micro_batch_train_step(model, state, data, micro_batches):
         lambda g: (g * correction).astype(g.dtype), gradients
     )
     loss = (loss * correction).astype(loss.dtype)
-    y_pred = jax.tree_util.tree_map(
-        lambda *parts: jnp.concatenate(parts, axis=0), *predictions
-    )
+    y_pred = _whole_batch_outputs(predictions)
 
     trainable, optimizer_variables = model.optimizer.stateless_apply(
         optimizer_variables, gradients, trainable

@@ -699,7 +699,10 @@ def _run_segment(xys, batch_size, split, segment, rest, carry, growing, y0, xla)
     """
     quotient, remainder = split
     begin, end, size = segment
-    y_leaves = [] if y0 is None else keras.tree.flatten(y0)
+    # Outputs with no row per sample (a scalar statistic) are not gathered.
+    y_leaves = [] if y0 is None else [
+        leaf for leaf in keras.tree.flatten(y0) if _has_rows(leaf)
+    ]
     rows = (end - begin) * size
     # At least one micro-batch of room: XLA compiles the loop body even
     # when the loop runs zero times, and rejects a scatter into nothing.
@@ -726,9 +729,10 @@ def _run_segment(xys, batch_size, split, segment, rest, carry, growing, y0, xla)
             offset = (i - begin) * size
             # `offset + range(size)`: XLA needs the range's size constant.
             positions = tf.expand_dims(offset + tf.range(size), 1)
+            leaves = [leaf for leaf in keras.tree.flatten(part) if _has_rows(leaf)]
             buffers = [
                 tf.tensor_scatter_nd_update(buffer, positions, leaf)
-                for buffer, leaf in zip(buffers, keras.tree.flatten(part))
+                for buffer, leaf in zip(buffers, leaves)
             ]
         return i + 1, carry, buffers
 
@@ -753,15 +757,25 @@ def _run_segment(xys, batch_size, split, segment, rest, carry, growing, y0, xla)
     )
     if y0 is None:
         return carry, None
-    buffers = [buffer[:rows] for buffer in buffers]
-    return carry, keras.tree.pack_sequence_as(y0, buffers)
+    buffers = iter(buffer[:rows] for buffer in buffers)
+    return carry, keras.tree.pack_sequence_as(
+        y0,
+        [next(buffers) if _has_rows(leaf) else leaf for leaf in keras.tree.flatten(y0)],
+    )
+
+
+def _has_rows(output):
+    """Whether an output has a row per sample (anything but a scalar)."""
+    return output.shape.rank != 0
 
 
 def _concat_rows(parts):
+    """The batch's outputs: each output's rows in order; a scalar, the first's."""
     if len(parts) == 1:
         return parts[0]
     return keras.tree.map_structure(
-        lambda *items: tf.concat(items, axis=0), *parts
+        lambda *items: tf.concat(items, axis=0) if _has_rows(items[0]) else items[0],
+        *parts,
     )
 
 

@@ -142,11 +142,17 @@ def _detached(structure):
 
 
 def concatenated(parts):
-    """The parts' rows in one structure, with their Keras masks concatenated."""
+    """The parts' rows in one structure, with their Keras masks concatenated.
+
+    An output with no row per sample (a scalar statistic a layer returns
+    beside the batch's outputs) has no rows to join: it is the first part's.
+    """
     if len(parts) == 1:
         return parts[0]
 
     def concatenate(*tensors):
+        if tensors[0].dim() == 0:
+            return tensors[0]
         whole = torch.cat(tensors, dim=0)
         masks = [compat.keras_mask(t) for t in tensors]
         if all(mask is not None for mask in masks):
