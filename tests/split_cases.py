@@ -377,8 +377,15 @@ class MeanSquare(keras.layers.Layer):
         return keras.ops.mean(keras.ops.square(inputs))
 
 
+class UnitMeans(keras.layers.Layer):
+    """A statistic of the whole batch per unit: 5 numbers, no batch dimension."""
+
+    def call(self, inputs):
+        return keras.ops.mean(inputs, axis=0)[:5]
+
+
 def auxiliary_output_model(jit_compile="auto"):
-    """An MLP returning its prediction and a scalar statistic beside it.
+    """An MLP returning its prediction and two statistics of the batch beside it.
 
     Only the prediction has a loss, as in models that return an auxiliary
     value (a load-balancing term, an attention statistic) to read.
@@ -386,10 +393,14 @@ def auxiliary_output_model(jit_compile="auto"):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((12,))
     hidden = keras.layers.Dense(32, activation="relu")(inputs)
-    outputs = [keras.layers.Dense(1, name="out")(hidden), MeanSquare(name="aux")(hidden)]
+    outputs = [
+        keras.layers.Dense(1, name="out")(hidden),
+        MeanSquare(name="mean_square")(hidden),
+        UnitMeans(name="unit_means")(hidden),
+    ]
     model = keras.Model(inputs, outputs)
     model.compile(
-        "adam", loss=["mse", None], metrics=[["mae", batch_std], None],
+        "adam", loss=["mse", None, None], metrics=[["mae", batch_std], None, None],
         jit_compile=jit_compile,
     )  # fmt: skip
     return model
@@ -400,7 +411,7 @@ def assert_an_output_without_a_batch_dimension_trains_as_plain_fit(
 ):
     """A split step joins only the outputs that have a row per sample."""
     x, y, _ = regression_data(96)
-    y = [y, np.zeros(len(y), "float32")]  # the statistic's target: unused
+    y = [y, np.zeros(len(y), "float32"), np.zeros(len(y), "float32")]  # unused
     reference = auxiliary_output_model(jit_compile)
     want = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     model = auxiliary_output_model(jit_compile)
@@ -505,5 +516,6 @@ def test_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings(t
 
 
 def test_an_output_without_a_batch_dimension_trains_as_plain_fit():
-    # On JAX a split step raised IndexError joining a scalar output's parts.
+    # On JAX a split step raised IndexError joining a scalar output's parts;
+    # on TensorFlow and PyTorch, where a metric reads the whole batch.
     assert_an_output_without_a_batch_dimension_trains_as_plain_fit()

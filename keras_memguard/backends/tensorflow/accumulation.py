@@ -664,6 +664,10 @@ def run_micro_batches(data, micro_batches, first, rest, collect_outputs=True, xl
         make_micro_batch(*xys, 0, first_size, batch_size)
     )
     outputs = [y_pred]
+    # Per output: whether it has a row per sample (not a scalar statistic).
+    has_rows = None if y_pred is None else [
+        _has_rows(leaf, first_size) for leaf in keras.tree.flatten(y_pred)
+    ]
     if micro_batches > 1:
         # Micro-batches [1, remainder) have `quotient + 1` samples, the
         # rest up to `count` have `quotient`.
@@ -683,15 +687,16 @@ def run_micro_batches(data, micro_batches, first, rest, collect_outputs=True, xl
                 carry,
                 growing,
                 y_pred if collect_outputs else None,
+                has_rows,
                 xla,
             )
             outputs.append(part)
     batch_size = tf.shape(first_tensor(x), out_type=tf.int32)[0]
-    y_pred = _concat_rows(outputs) if collect_outputs else None
+    y_pred = _concat_rows(outputs, has_rows) if collect_outputs else None
     return list(carry), y_pred, batch_size
 
 
-def _run_segment(xys, batch_size, split, segment, rest, carry, growing, y0, xla):
+def _run_segment(xys, batch_size, split, segment, rest, carry, growing, y0, has_rows, xla):
     """Runs micro-batches `begin .. end-1`, all of `size` samples, in a loop.
 
     With outputs to keep (`y0` not `None`), they are written into a
@@ -701,7 +706,7 @@ def _run_segment(xys, batch_size, split, segment, rest, carry, growing, y0, xla)
     begin, end, size = segment
     # Outputs with no row per sample (a scalar statistic) are not gathered.
     y_leaves = [] if y0 is None else [
-        leaf for leaf in keras.tree.flatten(y0) if _has_rows(leaf)
+        leaf for leaf, rows in zip(keras.tree.flatten(y0), has_rows) if rows
     ]
     rows = (end - begin) * size
     # At least one micro-batch of room: XLA compiles the loop body even
@@ -729,7 +734,9 @@ def _run_segment(xys, batch_size, split, segment, rest, carry, growing, y0, xla)
             offset = (i - begin) * size
             # `offset + range(size)`: XLA needs the range's size constant.
             positions = tf.expand_dims(offset + tf.range(size), 1)
-            leaves = [leaf for leaf in keras.tree.flatten(part) if _has_rows(leaf)]
+            leaves = [
+                leaf for leaf, rows in zip(keras.tree.flatten(part), has_rows) if rows
+            ]
             buffers = [
                 tf.tensor_scatter_nd_update(buffer, positions, leaf)
                 for buffer, leaf in zip(buffers, leaves)
@@ -760,23 +767,36 @@ def _run_segment(xys, batch_size, split, segment, rest, carry, growing, y0, xla)
     buffers = iter(buffer[:rows] for buffer in buffers)
     return carry, keras.tree.pack_sequence_as(
         y0,
-        [next(buffers) if _has_rows(leaf) else leaf for leaf in keras.tree.flatten(y0)],
+        [
+            next(buffers) if rows else leaf
+            for leaf, rows in zip(keras.tree.flatten(y0), has_rows)
+        ],
     )
 
 
-def _has_rows(output):
-    """Whether an output has a row per sample (anything but a scalar)."""
-    return output.shape.rank != 0
+def _has_rows(output, size):
+    """Whether an output of a micro-batch of `size` samples has a row per sample.
+
+    Not a scalar, nor a statistic of a fixed length (a layer's vector
+    returned beside the batch's outputs): its first dimension is unknown
+    or, where the micro-batch's size is known, that size.
+    """
+    if output.shape.rank == 0:
+        return False
+    first = output.shape[0]
+    return first is None or (isinstance(size, int) and first == size)
 
 
-def _concat_rows(parts):
-    """The batch's outputs: each output's rows in order; a scalar, the first's."""
+def _concat_rows(parts, has_rows):
+    """The batch's outputs: the rows of each in order; one without, the first's."""
     if len(parts) == 1:
         return parts[0]
-    return keras.tree.map_structure(
-        lambda *items: tf.concat(items, axis=0) if _has_rows(items[0]) else items[0],
-        *parts,
-    )
+    leaves = [keras.tree.flatten(part) for part in parts]
+    joined = [
+        tf.concat(items, axis=0) if rows else items[0]
+        for items, rows in zip(zip(*leaves), has_rows)
+    ]
+    return keras.tree.pack_sequence_as(parts[0], joined)
 
 
 def _gradient_layout(gradients, keep_sparse, as_given=False):

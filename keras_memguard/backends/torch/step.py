@@ -141,17 +141,23 @@ def _detached(structure):
     return keras.tree.map_structure(detach, structure)
 
 
-def concatenated(parts):
+def concatenated(parts, rows=None):
     """The parts' rows in one structure, with their Keras masks concatenated.
 
-    An output with no row per sample (a scalar statistic a layer returns
-    beside the batch's outputs) has no rows to join: it is the first part's.
+    Args:
+        parts: The parts' outputs, in order.
+        rows: The samples of each part, or `None`. Given, an output whose
+            first dimension is not its part's samples (a statistic a layer
+            returns beside the batch's outputs: a scalar, a vector per
+            layer) has no rows to join: it is the first part's.
     """
     if len(parts) == 1:
         return parts[0]
 
     def concatenate(*tensors):
-        if tensors[0].dim() == 0:
+        if rows is not None and any(
+            t.dim() == 0 or t.shape[0] != n for t, n in zip(tensors, rows)
+        ):
             return tensors[0]
         whole = torch.cat(tensors, dim=0)
         masks = [compat.keras_mask(t) for t in tensors]
@@ -180,6 +186,7 @@ class StepProgress:
             replay goes on from there).
         outputs: The applied micro-batches' detached outputs, when the
             metrics read the whole batch's (`"shrink"` mode).
+        output_rows: The samples of each of `outputs`.
         on_applied: Called with no argument after each applied micro-batch
             in `"shrink"` mode (the replaying function keeps that point to
             roll back to), or `None`.
@@ -189,6 +196,7 @@ class StepProgress:
         self.applying = False
         self.rows_done = 0
         self.outputs = []
+        self.output_rows = []
         self.on_applied = on_applied
 
 
@@ -248,7 +256,7 @@ def _accumulate(model, data, micro_batches, progress):
     batch_size = batch_size_of(data)
     per_micro_batch = metrics_update_per_micro_batch(model)
     keep_outputs = metrics_read_whole_batch_outputs(model)
-    outputs = []
+    outputs, output_rows = [], []
     loss_sum = None
     valid_sum = total_sum = 0.0
     masked = False
@@ -278,6 +286,7 @@ def _accumulate(model, data, micro_batches, progress):
             _update_metrics(model, part_y, _detached(y_pred), part_weight)
         if keep_outputs:
             outputs.append(_detached(y_pred))
+            output_rows.append(stop - start)
         # One micro-batch's graph and activations alive at a time.
         del loss, y_pred, weighted
     if masked:
@@ -294,7 +303,7 @@ def _accumulate(model, data, micro_batches, progress):
     _apply(model, progress)
     if keep_outputs:
         return model.compute_metrics(
-            x, y, concatenated(outputs), sample_weight=sample_weight
+            x, y, concatenated(outputs, output_rows), sample_weight=sample_weight
         )
     return model.get_metrics_result()
 
@@ -324,13 +333,15 @@ def _shrink(model, data, micro_batches, progress):
             _update_metrics(model, part_y, _detached(y_pred), part_weight)
         if keep_outputs:
             progress.outputs.append(_detached(y_pred))
+            progress.output_rows.append(stop - start)
         del loss, y_pred
         progress.rows_done = stop
         if progress.on_applied is not None:
             progress.on_applied()
     if keep_outputs:
         return model.compute_metrics(
-            x, y, concatenated(progress.outputs), sample_weight=sample_weight
+            x, y, concatenated(progress.outputs, progress.output_rows),
+            sample_weight=sample_weight,
         )
     return model.get_metrics_result()
 
