@@ -350,6 +350,16 @@ def find_batch_size(
                 peak = None
             elif peak is None:
                 errors += 1
+            if peak is not None and peak <= in_use and len(trials) == 1:
+                # The step's own memory read nothing: every batch would look
+                # free, and the next trial as large as an integer goes.
+                raise UnsupportedTrainingSetupError(
+                    f"find_batch_size cannot measure the training step on "
+                    f"{', '.join(probe.devices)}: batch {size} peaked at "
+                    f"{peak / _MIB:.1f} MiB with {in_use / _MIB:.1f} MiB in use "
+                    "before it, so the step's own memory read 0 bytes and no "
+                    f"batch size can be told from another. {backend.NOTHING_MEASURED}"
+                )
             if peak is None:
                 if size <= 1:
                     raise MicroBatchTooLargeError(

@@ -341,3 +341,11 @@ def test_default_and_unavailable_modes_without_bfc():
     assert "no allocator statistics" in message
     assert "HINT: set TF_CPU_ALLOCATOR_USE_BFC=true" in message
     assert unavailable["samples"] == [[None, None, None]] * 4
+    # find_batch_size on such readings: a clear refusal, the weights kept
+    # (it tried 8.8e12 samples and raised numpy's MemoryError).
+    for result in (default, unavailable):
+        kind, message = result["search"]
+        assert kind == "UnsupportedTrainingSetupError", result["search"]
+        assert "cannot measure the training step on CPU:0: batch 4" in message
+        assert "HINT: set TF_CPU_ALLOCATOR_USE_BFC=true" in message
+        assert result["weights_kept"]

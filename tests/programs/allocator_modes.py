@@ -1,5 +1,6 @@
 """AllocatorProbe without the BFC allocator: the mode TensorFlow was started
-in (oneDNN on: "default"; off: "unavailable"), its samples and its warnings.
+in (oneDNN on: "default"; off: "unavailable"), its samples and its warnings;
+and what `find_batch_size` makes of those readings on a small MLP.
 
 Run by tests/test_allocator_probe.py with `TF_ENABLE_ONEDNN_OPTS` set and
 no BFC variables; reports through `emit_result`. The warnings must point at
@@ -14,6 +15,10 @@ def main():
     from keras_memguard import AllocatorProbe
     from keras_memguard.testing import emit_result
 
+    import keras
+    import numpy as np
+    from keras_memguard import find_batch_size
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         probe = AllocatorProbe()
@@ -22,7 +27,25 @@ def main():
         samples = [probe.sample() for _ in range(3)]
         big = tf.zeros([4 * 2**20])
         samples.append(probe.sample())
+    model = keras.Sequential(
+        [keras.Input((12,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1)]
+    )
+    model.compile("adam", "mse")
+    before = [w.copy() for w in model.get_weights()]
+    x = np.ones((256, 12), "float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            found = find_batch_size(model, x, x[:, :1], memory_limit=64 * 2**20)
+        except Exception as error:  # What the user gets is what is checked.
+            search = [type(error).__name__, str(error)]
+        else:
+            search = ["answer", found.largest_batch_size]
     emit_result({
+        "search": search,
+        "weights_kept": all(
+            np.array_equal(a, b) for a, b in zip(before, model.get_weights())
+        ),
         "mode": probe.mode,
         "source": probe.limit_source("CPU:0"),
         "limit": probe.limit_bytes("CPU:0"),

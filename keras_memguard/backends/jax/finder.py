@@ -30,6 +30,9 @@ PEAK_STALL_IS_ROUNDING = False
 LIMIT_UNKNOWN = (
     " (JAX reports none on this device: a CPU keeps no memory statistics)"
 )
+# The hint where a trial step's peak read 0 bytes (the compiled search
+# reads XLA's analysis instead of running steps).
+NOTHING_MEASURED = "HINT: pass `memory_limit` and search on the device that trains."
 
 
 def prepare_process(probe):

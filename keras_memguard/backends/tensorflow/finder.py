@@ -42,6 +42,13 @@ PEAK_STALL_IS_ROUNDING = True
 
 # Said after the devices where no limit can be read.
 LIMIT_UNKNOWN = ""
+# The hint where a trial step's peak read 0 bytes.
+NOTHING_MEASURED = (
+    "TensorFlow's default CPU allocator does not count small allocations "
+    "(with oneDNN off, none). "
+    "HINT: set TF_CPU_ALLOCATOR_USE_BFC=true (and TF_CPU_BFC_MEM_LIMIT_IN_MB="
+    "<MiB> for a cap) in the environment before TensorFlow is imported."
+)
 
 
 def prepare_process(probe):

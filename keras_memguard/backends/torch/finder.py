@@ -70,6 +70,8 @@ LIMIT_UNKNOWN = (
     " (on the CPU, the process's resident memory has no limit of its own "
     "unless a cgroup or RLIMIT_AS sets one)"
 )
+# The hint where a trial step's peak read 0 bytes.
+NOTHING_MEASURED = "HINT: search on the device that trains."
 
 
 def prepare_process(probe):
