@@ -2,10 +2,11 @@
 
 Hyperparameter searches copy the callbacks they are handed once per trial:
 KerasTuner deep-copies the `callbacks` list before each trial's `fit` and
-stops the whole search when a callback cannot be copied. A callback's run state does not copy and should not: an event file's writer
-and an NVML handle hold locks and library objects, and the model it was set
-to, the readings and the plan belong to a trial that is over. So a deep
-copy is the callback its arguments make, as if the user had written the
+stops the whole search when a callback cannot be copied. A callback's run
+state does not copy and should not: an event file's writer and an NVML
+handle hold locks and library objects, and the model it was set to, the
+readings and the plan belong to a trial that is over. So a deep copy is
+the callback its arguments make, as if the user had written the
 constructor call again; what earlier runs learned still reaches it through
 the plan cache on disk. Attributes a subclass added are deep-copied as
 usual.
