@@ -5,6 +5,7 @@ needs Keras and numpy, nothing of a backend.
 """
 
 import copy
+import pickle
 
 import keras
 import numpy as np
@@ -436,7 +437,7 @@ class TrialGuard(keras_memguard.MemoryGuard):
 
 
 def assert_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings(tmp_path):
-    """The guard and the monitor survive `copy.deepcopy` after a `fit`.
+    """The guard and the monitor survive `copy.deepcopy` and `pickle` after a `fit`.
 
     KerasTuner deep-copies the `callbacks` list before each trial and stops
     the search when it cannot; the copies must train the next trial's new
@@ -456,6 +457,11 @@ def assert_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings
     first.fit(x, y, batch_size=16, verbose=0, callbacks=[guard, monitor])
 
     guard_copy, monitor_copy = copy.deepcopy([guard, monitor])
+    # Trials in other processes get them pickled: the same new callbacks.
+    for unpickled, original in zip(pickle.loads(pickle.dumps([guard, monitor])), (guard, monitor)):
+        assert type(unpickled) is type(original) and unpickled.model is None
+        assert unpickled.log_dir == log_dir
+    assert unpickled.growth_enabled and pickle.loads(pickle.dumps(guard)).tags == ["trial"]
 
     assert type(guard_copy) is TrialGuard and guard_copy is not guard
     assert guard_copy.tags == ["trial"] and guard_copy.tags is not guard.tags

@@ -155,7 +155,7 @@ class MemoryGuard(keras.callbacks.Callback):
         self._run = None
         # `evaluate` / `predict` outside `fit`: the run now, or None.
         self._inference = None
-        # What `copy.deepcopy` makes a new guard from (`copies`).
+        # What a copy or an unpickled guard is made from (`copies`).
         self._arguments = dict(
             threshold=threshold, release=release, mode=mode,
             max_micro_batches=max_micro_batches, cooldown=cooldown,
@@ -165,9 +165,9 @@ class MemoryGuard(keras.callbacks.Callback):
             reserve_memory=reserve_memory, escalate=self.escalate,
         )  # fmt: skip
 
-    def __deepcopy__(self, memo):
-        # A search copies its callbacks per trial: a new guard, same settings.
-        return copies.fresh_copy(self, MemoryGuard, self._arguments, memo)
+    def __reduce__(self):
+        # Copied or pickled (a search's trials): a new guard, same settings.
+        return copies.reduced(self, MemoryGuard, self._arguments)
 
     @property
     def config(self):

@@ -132,7 +132,7 @@ class MemoryMonitor(keras.callbacks.Callback):
         growth=False,
     ):
         super().__init__()
-        # What `copy.deepcopy` makes a new monitor from (`copies`).
+        # What a copy or an unpickled monitor is made from (`copies`).
         self._arguments = dict(
             log_dir=log_dir, update_freq=update_freq, memory_limit=memory_limit,
             nvml=nvml, profile_spikes=profile_spikes,
@@ -256,9 +256,9 @@ class MemoryMonitor(keras.callbacks.Callback):
         if memory_limit is not None:
             check_memory_limit(memory_limit)
 
-    def __deepcopy__(self, memo):
-        # A search copies its callbacks per trial: a new monitor, same settings.
-        return copies.fresh_copy(self, MemoryMonitor, self._arguments, memo)
+    def __reduce__(self):
+        # Copied or pickled (a search's trials): a new monitor, same settings.
+        return copies.reduced(self, MemoryMonitor, self._arguments)
 
     def set_model(self, model):
         super().set_model(model)
