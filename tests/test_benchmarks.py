@@ -34,6 +34,9 @@ SMOKE_RUNS = {
          "--no-numerics", "--no-preflight"],
         "| plain |",
     ),
+    "bench_first_batch.py": (
+        ["--ratio-models", "mlp", "--first-models", "string_input"], "| string_input | 0 |"
+    ),
     "bench_predictors.py": (
         ["--rounds", "1", "--sizes", "8,16,32", "--models", "cnn", "--modes", "plain",
          "--oom", ""],

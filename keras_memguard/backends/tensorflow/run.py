@@ -29,6 +29,7 @@ from keras_memguard.compiled_plan import excess_bytes
 from keras_memguard.compiled_plan import plan_micro_batches
 from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.errors import UnsupportedTrainingSetupError
+from keras_memguard.backends.tensorflow import activations
 from keras_memguard.backends.tensorflow import region
 from keras_memguard.backends import compat
 from keras_memguard.backends.tensorflow import multi_worker
@@ -559,10 +560,16 @@ class TfTrainingRun:
                 self.model, data, session.probe.devices, session.limits, options.mode
             )
             state = session.controller.load_plan(fields)
+        sample_bytes = oom_explanation.layer_output_bytes(self.model)
+        if not sample_bytes and state is None and not self.xla:
+            # The first batch is planned from its layer outputs (an XLA
+            # step from its compiled program): where the static shapes do
+            # not tell them, the batch's traced forward pass does.
+            sample_bytes = activations.traced_sample_bytes(self.model, data)
         session.start(
             session.smallest_limit,
             gradient_bytes(self.model),
-            oom_explanation.layer_output_bytes(self.model),
+            sample_bytes,
             state,
         )
 
