@@ -147,6 +147,33 @@ def test_a_gans_xla_step_whose_buffers_find_no_place_is_refused_before_it_runs()
     assert "the own `train_step` of GAN runs the whole batch. Nothing ran." in error, error
 
 
+def test_a_ragged_input_on_xla_trains_whole_and_a_batch_that_cannot_fit_is_named():
+    # XLA compiles a step for fixed shapes; a ragged batch's micro-batches
+    # have none. The guard searched counts whose programs all failed to
+    # compile and blamed the device's memory ("could not be compiled within
+    # the device's memory at 10 micro-batches"). Plain `fit` aborts the
+    # process under 100 MiB (the whole step needs 91 MiB beside 24 MiB in
+    # use); under 200 MiB it trains, and so does the guard, whole.
+    result = _run(200, "ragged", as_gpu=True)
+    assert result["jit_compile"] is True, result
+    _trained_every_batch(result)
+    assert result["ks"] == [1, 1, 1, 1] and result["oom_recoveries"] == 0, result
+    assert any("its input is ragged" in m for m in result["messages"]), result
+    refused = _run(100, "ragged", as_gpu=True)
+    assert refused["batches"] == 0, refused
+    error = refused["error"]
+    assert error.startswith("MicroBatchTooLargeError: The XLA-compiled step"), error
+    assert "Nothing ran" in error and "`jit_compile=False`" in error, error
+
+
+def test_a_ragged_input_without_xla_is_split_under_a_cap():
+    # 60 MiB: 0.75x the whole step's peak without XLA.
+    result = _run(60, "ragged", "off", as_gpu=True)
+    assert result["jit_compile"] is False, result
+    _trained_every_batch(result)
+    assert min(result["ks"]) > 1 and result["oom_recoveries"] == 0, result
+
+
 def test_a_gans_batch_that_cannot_fit_is_named_after_one_error_without_xla():
     result = _run(50, "gan", "off", as_gpu=True)
     assert result["jit_compile"] is False, result

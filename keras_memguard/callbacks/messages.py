@@ -212,6 +212,23 @@ def distributed_whole(class_name, distribution):
     )
 
 
+def ragged_on_xla(class_name):
+    """The `WholeStep` of a model fed ragged tensors, its step compiled with XLA."""
+    split_hint = (
+        "compile the model with `jit_compile=False` (the guard then splits "
+        "ragged batches), or pad the input (`RaggedTensor.to_tensor()`, "
+        "`tf.data.Dataset.padded_batch`)"
+    )
+    return WholeStep(
+        class_name,
+        "its input is ragged (`tf.RaggedTensor`), and XLA compiles a step for "
+        "fixed shapes, which a ragged batch's micro-batches do not have",
+        f"the XLA-compiled train step of {class_name}",
+        split_hint,
+        f"pass a smaller `batch_size` to `fit`, or {split_hint}",
+    )
+
+
 def mixin_own_step(class_name, backend_name):
     """`UnsupportedTrainingSetupError`'s text for a JAX or PyTorch mixin class with its own `train_step`."""
     return (

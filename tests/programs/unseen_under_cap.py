@@ -56,6 +56,12 @@ under `MemoryGuard` where Adam's update of the embedding cannot fit beside
 the weights and slots at any batch size: the guard must say so after the
 first error, not split further.
 
+`ragged [off]`: a bag-of-embeddings text classifier fed `tf.RaggedTensor`
+token ids (20 to 80 tokens a sample) from `tf.data`, compiled with XLA
+(with `off`, without), `fit` under `MemoryGuard`: XLA cannot split a
+ragged batch, so its batches run whole, and one that cannot fit is named
+before it runs; without XLA they are split.
+
 Training runs with a `MemoryMonitor` beside the guard. Reports through
 `emit_result`: the batches that ended, the counts, the peak usage the
 monitor logged for each batch, the out-of-memory recoveries, the loss, and the error raised, if any.
@@ -418,6 +424,25 @@ def large_embedding():
     return model, x, rng.integers(0, 20, 2048), 512
 
 
+def ragged(xla):
+    """`ragged [off]` of the module docstring."""
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(1, 2000, size=rng.integers(20, 80)) for _ in range(512)]
+    x = tf.ragged.constant(ids, dtype=tf.int64)
+    y = rng.integers(0, 2, size=(512, 1)).astype("float32")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(128)
+    tokens = keras.Input((None,), dtype="int64")
+    hidden = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(2000, 1024)(tokens))
+    model = keras.Model(tokens, keras.layers.Dense(1)(hidden))
+    model.compile(
+        "adam", keras.losses.BinaryCrossentropy(from_logits=True), jit_compile=xla
+    )
+    return model, data, None, None
+
+
 def main():
     name, options = sys.argv[1], sys.argv[2:]
     if name == "stateful":
@@ -437,6 +462,8 @@ def main():
         model, x, y, batch = xla_mlp()
     elif name == "large_embedding":
         model, x, y, batch = large_embedding()
+    elif name == "ragged":
+        model, x, y, batch = ragged(xla="off" not in options)
     else:
         model, x, y, batch = xla_cnn()
     ks = MicroBatchCounts()
@@ -452,7 +479,7 @@ def main():
         error = f"{type(raised).__name__}: {raised}"
     emit_result({
         "batches": len(ks.ks),
-        "expected_batches": -(-len(x) // batch),
+        "expected_batches": len(x) if batch is None else -(-len(x) // batch),
         "ks": ks.ks,
         "usages": ks.usages,
         "jit_compile": bool(model.jit_compile),

@@ -15,6 +15,7 @@ the plan cache key, the step count, the writer) is in the guard's
 import functools
 
 import keras
+import tensorflow as tf
 
 from keras_memguard import decider
 from keras_memguard import oom_explanation
@@ -262,6 +263,10 @@ class TfTrainingRun:
             # Reading resets the peak: the batch's own peak is read after it.
             self._before = before = self._in_use(session.read())
         if self.xla:
+            if session.whole_step is None and _has_ragged(data):
+                session.train_whole_batches(
+                    messages.ragged_on_xla(type(self.model).__name__), "tensorflow"
+                )
             # The compiled program is the plan; the decider's count is the
             # floor without `plan` (the user's, or one an error taught).
             k = self._plan_compiled(controller.state.micro_batches, batch_size, data, before)
@@ -868,6 +873,11 @@ def _stop_compiled_inference(session, kind, explanation, error):
     """Ends `evaluate` or `predict` after an XLA step ran out of memory: no replay."""
     oom_report.report(session, explanation)
     raise oom_report.compiled_step_error(session, explanation, None, call=kind) from error
+
+
+def _has_ragged(data):
+    """Whether a batch holds a ragged tensor (no fixed shape for XLA to split)."""
+    return any(isinstance(item, tf.RaggedTensor) for item in tf.nest.flatten(data))
 
 
 def _shapes_of(data):
