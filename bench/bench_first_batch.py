@@ -20,9 +20,13 @@ Parts:
    plentiful), from the same weights: the first batch's micro-batches and
    how far the weights end apart.
 
-One process, under the BFC CPU allocator with oneDNN off, as the tests run.
+One process; on TensorFlow under the BFC CPU allocator with oneDNN off, as
+the tests run. With `KERAS_BACKEND=torch` the PyTorch estimate
+(`keras_memguard.backends.torch.activations`, a one-sample forward pass)
+is measured instead, on the models that do not need TensorFlow.
 
-    python bench/bench_first_batch.py [--parts ratio,first] [--models ...]
+    python bench/bench_first_batch.py [--parts ratio,first]
+        [--ratio-models mlp,...] [--first-models subclassed_batchnorm,...]
 """
 
 import argparse
@@ -40,11 +44,18 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import numpy as np  # noqa: E402
 import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 import keras_memguard  # noqa: E402
 from keras_memguard import oom_explanation  # noqa: E402
-from keras_memguard.backends.tensorflow import activations  # noqa: E402
+
+if keras.backend.backend() == "torch":
+    from keras_memguard.backends.torch import activations
+
+    ESTIMATE = activations.counted_sample_bytes
+else:
+    from keras_memguard.backends.tensorflow import activations
+
+    ESTIMATE = activations.traced_sample_bytes
 
 
 def _mlp():
@@ -125,6 +136,8 @@ def _gru(rng):
 
 
 def _strings(rng):
+    import tensorflow as tf
+
     words = np.array(["the cat sat down", "a dog ran far away", "birds fly", "fish swim deep now"])
     text = tf.constant(words[rng.integers(0, 4, 256)])
     vectorize = keras.layers.TextVectorization(max_tokens=100, output_sequence_length=8)
@@ -145,15 +158,15 @@ FIRST_MODELS = {
 
 
 def part_ratio(names):
-    print("| model | layer outputs per sample (bytes) | traced operation outputs | ratio | trace s |")
+    print("| model | layer outputs per sample (bytes) | operation outputs | ratio | estimate s |")
     print("| --- | --- | --- | --- | --- |")
     ratios = []
     for name in names:
         model, shape = RATIO_MODELS[name]()
-        x = tf.zeros(shape)
+        x = keras.ops.zeros(shape)
         static = oom_explanation.layer_output_bytes(model)
         start = time.perf_counter()
-        traced = activations.traced_sample_bytes(model, (x,))
+        traced = ESTIMATE(model, (x,))
         seconds = time.perf_counter() - start
         operations = traced * activations.OPERATION_BYTES_PER_LAYER_OUTPUT_BYTE
         ratios.append(operations / static)

@@ -244,6 +244,19 @@ def assert_metric_functions_read_as_plain_fit(make_guard=fixed_split):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
 
 
+class SubclassedBatchNormMLP(keras.Model):
+    """A subclassed model: no graph of layers whose output sizes can be read."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16)
+        self.norm = keras.layers.BatchNormalization()
+        self.out = keras.layers.Dense(3, activation="softmax")
+
+    def call(self, x, training=False):
+        return self.out(keras.ops.relu(self.norm(self.hidden(x), training=training)))
+
+
 def assert_a_model_that_fits_trains_as_plain_fit(recwarn):
     """A default guard, memory plentiful, from an empty plan cache: plain `fit`.
 
@@ -252,11 +265,26 @@ def assert_a_model_that_fits_trains_as_plain_fit(recwarn):
     before Adam squares them). The guard's first run used to split the
     first batch into 8 and the second into 2 to measure: 5.0e-2 and 4.7e-2
     from plain `fit` after 10 steps, and a warning about BatchNormalization.
+    The same where the static shapes tell no layer output's size (a
+    subclassed model; tokens of any length through attention), whose first
+    batch was split into 8 on any memory until its forward pass was read.
     """
     rng = np.random.default_rng(0)
     x = rng.normal(size=(203, 8)).astype("float32")
     tokens = rng.integers(0, 50, size=(203, 5)).astype("int32")
     y = rng.integers(0, 3, size=203)
+
+    def subclassed():
+        return SubclassedBatchNormMLP(), x
+
+    def variable_length():
+        ids = keras.Input((None,), dtype="int32")
+        hidden = keras.layers.Embedding(50, 8)(ids)
+        hidden = keras.layers.LayerNormalization()(
+            hidden + keras.layers.MultiHeadAttention(2, 4)(hidden, hidden)
+        )
+        pooled = keras.layers.GlobalAveragePooling1D()(hidden)
+        return keras.Model(ids, keras.layers.Dense(3, activation="softmax")(pooled)), tokens
 
     def normalized():
         return keras.Sequential([
@@ -273,7 +301,7 @@ def assert_a_model_that_fits_trains_as_plain_fit(recwarn):
         outputs = keras.layers.Dense(3, activation="softmax", name="p")(hidden)
         return keras.Model({"d": dense, "t": ids}, outputs), {"d": x, "t": tokens}
 
-    for build in (normalized, embedded):
+    for build in (normalized, embedded, subclassed, variable_length):
         weights, counts = [], []
         for guard in (None, keras_memguard.MemoryGuard(memory_limit=1 << 30, plan_cache=False)):
             keras.utils.set_random_seed(0)

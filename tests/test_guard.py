@@ -266,66 +266,6 @@ def test_the_decider_knows_the_layer_outputs_with_and_without_planning(plan):
     assert sample_bytes == oom_explanation.layer_output_bytes(model) > 0
 
 
-class SubclassedBatchNormMLP(keras.Model):
-    def __init__(self):
-        super().__init__()
-        self.hidden = keras.layers.Dense(32, activation="relu")
-        self.norm = keras.layers.BatchNormalization()
-        self.out = keras.layers.Dense(1)
-
-    def call(self, x, training=False):
-        return self.out(self.norm(self.hidden(x), training=training))
-
-
-def _subclassed_batchnorm_mlp():
-    model = SubclassedBatchNormMLP()
-    model.compile(optimizer="sgd", loss="mse")
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 12)).astype("float32")
-    return model, x, rng.normal(size=(64, 1)).astype("float32")
-
-
-def _variable_length_encoder():
-    # Tokens of any length and attention built of sublayers: no layer output
-    # has a static size.
-    tokens = keras.Input((None,), dtype="int32")
-    h = keras.layers.Embedding(200, 32)(tokens)
-    h = keras.layers.LayerNormalization()(h + keras.layers.MultiHeadAttention(2, 16)(h, h))
-    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(h))
-    model = keras.Model(tokens, outputs)
-    model.compile(
-        optimizer="adam",
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    rng = np.random.default_rng(0)
-    return model, rng.integers(1, 200, (64, 20)).astype("int32"), rng.integers(0, 2, 64)
-
-
-@pytest.mark.parametrize(
-    "build", [_subclassed_batchnorm_mlp, _variable_length_encoder], ids=["subclassed", "variable_length"]
-)
-def test_a_model_whose_static_shapes_say_nothing_trains_its_first_batch_whole_where_it_fits(build):
-    # Without a layer output of known size the first batch was split in 8
-    # on any amount of memory: BatchNormalization's statistics and Adam's
-    # embedding rows then differed from plain `fit`.
-    keras.utils.set_random_seed(0)
-    plain, x, y = build()
-    assert oom_explanation.layer_output_bytes(plain) == 0
-    plain.fit(x, y, batch_size=16, verbose=0, shuffle=False)
-    keras.utils.set_random_seed(0)
-    guarded, _, _ = build()
-    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40, plan_cache=False)
-    seen = []
-    record = keras.callbacks.LambdaCallback(
-        on_train_batch_end=lambda batch, logs: seen.append(logs["micro_batches"])
-    )
-    guarded.fit(x, y, batch_size=16, verbose=0, shuffle=False, callbacks=[guard, record])
-    assert seen == [1, 1, 1, 1]
-    assert guard.controller.state.sample_bytes > 0
-    for ours, theirs in zip(guarded.get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)
-
-
 @pytest.mark.slow
 def test_state_persists_across_fits_and_train_function_is_restored():
     x, y = make_data()

@@ -32,6 +32,7 @@ from keras_memguard import oom_explanation
 from keras_memguard import split_loss
 from keras_memguard.backends import compat
 from keras_memguard.backends import shared
+from keras_memguard.backends.torch import activations
 from keras_memguard.backends.torch.inference import SlicedPredictFunction
 from keras_memguard.backends.torch.inference import SlicedTestFunction
 from keras_memguard.backends.torch.inference import more_slices
@@ -216,10 +217,15 @@ class TorchTrainingRun:
                 self.model, data, session.probe.devices, session.limits, options.mode
             )
             state = session.controller.load_plan(fields)
+        sample_bytes = oom_explanation.layer_output_bytes(self.model)
+        if not sample_bytes and state is None and data is not None and not session.stateful_layers:
+            # The first batch is planned from its layer outputs: where the
+            # static shapes do not tell them, a one-sample forward pass does.
+            sample_bytes = activations.counted_sample_bytes(self.model, data)
         session.start(
             session.smallest_limit,
             gradient_bytes(self.model),
-            oom_explanation.layer_output_bytes(self.model),
+            sample_bytes,
             state,
         )
 
