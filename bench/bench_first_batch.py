@@ -116,7 +116,8 @@ def _encoder(rng):
     tokens = keras.Input((None,), dtype="int32")
     h = keras.layers.Embedding(2000, 64)(tokens)
     h = keras.layers.LayerNormalization()(h + keras.layers.MultiHeadAttention(4, 16)(h, h))
-    h = keras.layers.LayerNormalization()(h + keras.layers.Dense(64)(keras.layers.Dense(256, activation="relu")(h)))
+    feed_forward = keras.layers.Dense(64)(keras.layers.Dense(256, activation="relu")(h))
+    h = keras.layers.LayerNormalization()(h + feed_forward)
     model = keras.Model(tokens, keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(h)))
     model.compile(
         optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -170,7 +171,8 @@ def part_ratio(names):
         seconds = time.perf_counter() - start
         operations = traced * activations.OPERATION_BYTES_PER_LAYER_OUTPUT_BYTE
         ratios.append(operations / static)
-        print(f"| {name} | {static} | {operations:.0f} | {operations / static:.2f} | {seconds:.2f} |")
+        ratio = operations / static
+        print(f"| {name} | {static} | {operations:.0f} | {ratio:.2f} | {seconds:.2f} |")
     print(f"least ratio: {min(ratios):.2f}, largest: {max(ratios):.2f}")
 
 
@@ -189,7 +191,10 @@ def _first_fit(build, guard):
 
 
 def part_first(names):
-    print("| model | static layer outputs | traced | plain s | guard s | guard's counts | weights apart |")
+    print(
+        "| model | static layer outputs | estimate | plain s | guard s | guard's counts "
+        "| weights apart |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in names:
         build = FIRST_MODELS[name]

@@ -61,9 +61,10 @@ def traced_sample_bytes(model, data):
     Returns:
         A float >= 0: the floating-point outputs of the traced forward
         pass's operations (an open first dimension taken as the batch's),
-        over the batch's samples and `OPERATION_BYTES_PER_LAYER_OUTPUT_BYTE`; `0.0` where the pass
-        cannot be traced here (the batch is distributed, or the model's
-        `call` is not traceable), as for a model whose size is not known.
+        per sample and over `OPERATION_BYTES_PER_LAYER_OUTPUT_BYTE`;
+        `0.0` where the pass cannot be traced here (the batch is
+        distributed, or the model's `call` is not traceable), as for a
+        model whose size is not known.
 
     Example:
 

@@ -43,7 +43,7 @@ _VIEWS = frozenset(
 
 
 class _OutputBytes(TorchFunctionMode):
-    """Sums the floating-point outputs with a row per sample of every torch function called under it.
+    """Sums the floating-point outputs, a row per sample, of the torch functions called under it.
 
     A tensor without `samples` rows (a weight read or cast) is no activation.
     """
