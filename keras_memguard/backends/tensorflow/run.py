@@ -93,6 +93,9 @@ class TfTrainingRun:
         # Batch shapes whose whole step (stateful layers, a step of the
         # model's own) was read and probed, and fits.
         self._whole_checked = set()
+        # Whether this `fit`'s input was looked at for ragged tensors (once:
+        # the batches of one input share their kind).
+        self._input_checked = False
         self._compiled_plan = None
         self._block_rounding = 0
         self._xla_margin = 0
@@ -100,6 +103,7 @@ class TfTrainingRun:
     def begin(self):
         """Checks the model, starts the decider where no plan hook will, installs."""
         session, model = self.session, self.model
+        self._input_checked = False
         if not _trains_with_default_step(model):
             session.train_whole_batches(
                 messages.own_step_whole(type(model).__name__, "tensorflow"), "tensorflow"
@@ -263,10 +267,12 @@ class TfTrainingRun:
             # Reading resets the peak: the batch's own peak is read after it.
             self._before = before = self._in_use(session.read())
         if self.xla:
-            if session.whole_step is None and _has_ragged(data):
-                session.train_whole_batches(
-                    messages.ragged_on_xla(type(self.model).__name__), "tensorflow"
-                )
+            if not self._input_checked:
+                self._input_checked = True
+                if session.whole_step is None and _has_ragged(data):
+                    session.train_whole_batches(
+                        messages.ragged_on_xla(type(self.model).__name__), "tensorflow"
+                    )
             # The compiled program is the plan; the decider's count is the
             # floor without `plan` (the user's, or one an error taught).
             k = self._plan_compiled(controller.state.micro_batches, batch_size, data, before)

@@ -11,9 +11,8 @@ forward pass runs once on the batch's first two samples, in inference mode
 and without autograd (no BatchNormalization statistics or dropout draws
 move), and a `torch.overrides.TorchFunctionMode` sums the floating-point
 outputs with a row per sample of the torch functions it calls, views
-aside. Over
-`OPERATION_BYTES_PER_LAYER_OUTPUT_BYTE`, the least that sum was of the
-layer outputs where the static shapes tell both
+aside. Over `OPERATION_BYTES_PER_LAYER_OUTPUT_BYTE`, the least that sum
+was of the layer outputs where the static shapes tell both
 (`bench/bench_first_batch.py`), it stands for the layer outputs, erring
 above them as TensorFlow's traced estimate does.
 """
@@ -22,7 +21,7 @@ import keras
 import torch
 from torch.overrides import TorchFunctionMode
 
-# The least ratio of a one-sample forward pass's function outputs to the
+# The least ratio of a two-sample forward pass's function outputs to the
 # model's layer outputs, on the models whose static shapes tell both
 # (`KERAS_BACKEND=torch python bench/bench_first_batch.py --parts ratio`).
 OPERATION_BYTES_PER_LAYER_OUTPUT_BYTE = 2.8

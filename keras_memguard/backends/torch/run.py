@@ -220,7 +220,7 @@ class TorchTrainingRun:
         sample_bytes = oom_explanation.layer_output_bytes(self.model)
         if not sample_bytes and state is None and data is not None and not session.stateful_layers:
             # The first batch is planned from its layer outputs: where the
-            # static shapes do not tell them, a one-sample forward pass does.
+            # static shapes do not tell them, a forward pass of two samples does.
             sample_bytes = activations.counted_sample_bytes(self.model, data)
         session.start(
             session.smallest_limit,
