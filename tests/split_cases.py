@@ -518,6 +518,72 @@ def assert_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
 
 
+class StepCounter(keras.layers.Layer):
+    """Counts the training forward passes it sees, as a user's layer may."""
+
+    def build(self, input_shape):
+        self.count = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+    def call(self, inputs, training=False):
+        if training:
+            self.count.assign(self.count + 1.0)
+        return inputs
+
+
+def forward_writing_model(kind):
+    """A small regression model whose training forward pass writes `kind`'s variables."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((12,))
+    hidden = keras.layers.Dense(16, activation="relu")
+    if kind == "spectral":
+        hidden = keras.layers.SpectralNormalization(hidden, name="spectral")
+    h = hidden(inputs)
+    if kind == "counter":
+        h = StepCounter(name="counter")(h)
+    elif kind == "batch_norm":
+        h = keras.layers.BatchNormalization(name="batch_norm")(h)
+    elif kind == "dropout":
+        h = keras.layers.Dropout(0.2)(h)
+    model = keras.Model(inputs, keras.layers.Dense(1)(h))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def assert_forward_writes_are_named_once(recwarn):
+    """Each layer that writes its variables in the forward pass is named at a split.
+
+    SpectralNormalization (its kernel and power-iteration vector) and a
+    counting layer of the user's are named once, in one warning each
+    model; BatchNormalization gets its own warning; a Dropout's seed state
+    and a model whose batches run whole are not warned about.
+    """
+    x, y, _ = regression_data(n=64)
+    told = {}
+    for kind in ("spectral", "counter", "batch_norm", "dropout"):
+        recwarn.clear()
+        model = forward_writing_model(kind)
+        for _ in range(2):
+            model.fit(x, y, batch_size=32, verbose=0, callbacks=[fixed_split()])
+        told[kind] = [str(w.message) for w in recwarn if "micro_batches=4" in str(w.message)]
+    assert len(told["spectral"]) == 1, told
+    assert "'spectral/vector_u'" in told["spectral"][0], told
+    assert "'spectral/dense" in told["spectral"][0], told
+    assert "SpectralNormalization renormalizes" in told["spectral"][0], told
+    assert len(told["counter"]) == 1 and "'counter/" in told["counter"][0], told
+    assert len(told["batch_norm"]) == 1, told
+    assert "has BatchNormalization layers" in told["batch_norm"][0], told
+    assert "writes variables" not in told["batch_norm"][0], told
+    assert told["dropout"] == [], told
+    # Whole batches: nothing written twice, nothing said.
+    recwarn.clear()
+    model = forward_writing_model("spectral")
+    model.fit(
+        x, y, batch_size=32, verbose=0,
+        callbacks=[keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False)],
+    )
+    assert not [w for w in recwarn if "writes variables" in str(w.message)]
+
+
 # Tests the JAX and PyTorch test modules import as they are (pytest
 # collects them there; this module's name is not a test file's).
 
@@ -553,3 +619,9 @@ def test_an_output_without_a_batch_dimension_trains_as_plain_fit():
     # On JAX a split step raised IndexError joining a scalar output's parts;
     # on TensorFlow and PyTorch, where a metric reads the whole batch.
     assert_an_output_without_a_batch_dimension_trains_as_plain_fit()
+
+
+def test_variables_the_forward_pass_writes_are_named_at_a_split(recwarn):
+    # SpectralNormalization trained 0.13 (TensorFlow), 0.034 (JAX) and 0.36
+    # (PyTorch) from plain `fit` at k=4, with nothing said.
+    assert_forward_writes_are_named_once(recwarn)

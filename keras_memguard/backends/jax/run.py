@@ -34,6 +34,7 @@ import logging
 import weakref
 
 from keras_memguard import decider
+from keras_memguard import forward_writes
 from keras_memguard import split_loss
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks import messages
@@ -214,10 +215,9 @@ class JaxTrainingRun:
             model.optimizer.variables, model.metrics_variables,
         )
         marked = compat.summed_added_losses(model)
-        split_loss.check_once(
-            model, data, batch_size_of(data), k,
-            values=[pair for group in zip(variables, state) for pair in zip(*group)],
-        )
+        values = [pair for group in zip(variables, state) for pair in zip(*group)]
+        split_loss.check_once(model, data, batch_size_of(data), k, values=values)
+        forward_writes.check_once(model, data, batch_size_of(data), k, values=values)
         summed = compat.summed_added_losses(model)
         if summed != marked and any(summed or ()):
             # The steps compiled so far count those losses by their share.

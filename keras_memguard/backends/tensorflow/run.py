@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from keras_memguard import decider
 from keras_memguard import oom_explanation
+from keras_memguard import forward_writes
 from keras_memguard import split_loss
 from keras_memguard.callbacks import agreement
 from keras_memguard.callbacks import inference
@@ -277,6 +278,7 @@ class TfTrainingRun:
             # floor without `plan` (the user's, or one an error taught).
             k = self._plan_compiled(controller.state.micro_batches, batch_size, data, before)
             split_loss.check_once(self.model, data, batch_size, k)
+            forward_writes.check_once(self.model, data, batch_size, k)
             return self._apply(k)
         k = controller.plan(batch_size, sample_size, before)
         if (
@@ -307,6 +309,7 @@ class TfTrainingRun:
                 k = controller.plan(batch_size, sample_size, before)
         if not self.multi_worker:
             split_loss.check_once(self.model, data, batch_size, k)
+            forward_writes.check_once(self.model, data, batch_size, k)
         return self._apply(k)
 
     def _apply(self, k):

@@ -21,6 +21,8 @@ import keras
 import tensorflow as tf
 
 from keras_memguard.errors import MicroBatchTooLargeError
+from keras_memguard.forward_writes import has_batch_statistics_layers  # noqa: F401 (public here)
+from keras_memguard.forward_writes import warn_batch_statistics_once
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.backends import compat
 from keras_memguard.backends.tensorflow import remat
@@ -36,52 +38,7 @@ from keras_memguard.backends.tensorflow.accumulation import run_micro_batches
 from keras_memguard.backends.tensorflow.splitting import validate_micro_batches
 from keras_memguard.backends.tensorflow.splitting import validate_mode
 
-_BATCH_STATS_WARNED_ATTR = "_memguard_batch_statistics_warned"
 _CACHE_ATTR = "_memguard_function_cache"
-
-
-def has_batch_statistics_layers(model):
-    """Tells whether a model normalizes with batch statistics in training.
-
-    Such layers (`keras.layers.BatchNormalization`, when trainable) see
-    each micro-batch on its own: they normalize with the micro-batch's
-    moments and update their moving statistics once per micro-batch.
-
-    Args:
-        model: A Keras model or layer.
-
-    Returns:
-        `True` if any trainable `BatchNormalization` layer is in `model`.
-
-    Example:
-
-    >>> model = keras.Sequential([keras.layers.BatchNormalization()])
-    >>> has_batch_statistics_layers(model)
-    True
-    """
-    return any(
-        isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
-        for layer in compat.all_layers(model)
-    )
-
-
-def warn_batch_statistics_once(model, micro_batches):
-    """Warns once per model that BatchNormalization sees micro-batches."""
-    if micro_batches < 2 or getattr(model, _BATCH_STATS_WARNED_ATTR, False):
-        return
-    if not has_batch_statistics_layers(model):
-        return
-    # object.__setattr__: a plain flag, not tracked state.
-    object.__setattr__(model, _BATCH_STATS_WARNED_ATTR, True)
-    warnings.warn(
-        f"Model {model.name!r} has BatchNormalization layers and trains with "
-        f"micro_batches={micro_batches}: each micro-batch is normalized with "
-        "its own statistics and the moving statistics are updated once per "
-        "micro-batch. HINT: use GroupNormalization or LayerNormalization, "
-        "freeze the BatchNormalization layers, or raise their momentum to "
-        "momentum ** (1 / micro_batches).",
-        stacklevel=2,
-    )
 
 
 def build_optimizer(model):

@@ -29,6 +29,7 @@ from keras import tree
 
 from keras_memguard import decider
 from keras_memguard import oom_explanation
+from keras_memguard import forward_writes
 from keras_memguard import split_loss
 from keras_memguard.backends import compat
 from keras_memguard.backends import shared
@@ -245,6 +246,11 @@ class TorchTrainingRun:
         # No autograd graph: the check's forward passes keep no activations.
         with torch.no_grad():
             split_loss.check_once(self.model, data, batch_size, k)
+            # A training pass: an unseeded Dropout draws from torch's global
+            # generator, whose state is put back so the run draws as plain `fit`.
+            devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+            with torch.random.fork_rng(devices=devices):
+                forward_writes.check_once(self.model, data, batch_size, k)
         return k
 
     def _on_out_of_memory(self, failure):
