@@ -48,10 +48,14 @@ def has_batch_statistics_layers(model):
     >>> has_batch_statistics_layers(model)
     True
     """
-    return any(
-        isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
-        for layer in compat.all_layers(model)
-    )
+    return bool(_batch_statistics_layers(compat.all_layers(model)))
+
+
+def _batch_statistics_layers(layers):
+    return [
+        layer for layer in layers
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+    ]
 
 
 def warn_batch_statistics_once(model, micro_batches):
@@ -115,6 +119,11 @@ def written_variables(model, data, values=None):
     return tuple(dict.fromkeys(written))
 
 
+def due(model, batch_size, micro_batches):
+    """Whether `check_once` would run its forward pass for this batch."""
+    return micro_batches >= 2 and batch_size >= 2 and not getattr(model, _CHECKED_ATTR, False)
+
+
 def check_once(model, data, batch_size, micro_batches, values=None):
     """Warns once per model when its training forward pass writes variables.
 
@@ -130,21 +139,17 @@ def check_once(model, data, batch_size, micro_batches, values=None):
         micro_batches: The count it runs at.
         values: As for `written_variables`. Defaults to `None`.
     """
-    if micro_batches < 2 or batch_size < 2 or getattr(model, _CHECKED_ATTR, False):
+    if not due(model, batch_size, micro_batches):
         return
     # object.__setattr__: a plain flag, not tracked state.
     object.__setattr__(model, _CHECKED_ATTR, True)
     try:
         written = written_variables(model, data, values)
+        layers = compat.all_layers(model)
         statistics = {
-            id(variable)
-            for layer in compat.all_layers(model)
-            if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+            variable.path
+            for layer in _batch_statistics_layers(layers)
             for variable in layer.non_trainable_variables
-        }
-        statistics = {
-            variable.path for variable in model.non_trainable_variables
-            if id(variable) in statistics
         }
     except Exception:  # noqa: BLE001 - a check, never a reason to stop training.
         return
@@ -164,7 +169,7 @@ def check_once(model, data, batch_size, micro_batches, values=None):
     example = (
         "SpectralNormalization renormalizes its kernel once per micro-batch, "
         "and the gradients are taken at that kernel"
-        if any(isinstance(layer, spectral) for layer in compat.all_layers(model))
+        if any(isinstance(layer, spectral) for layer in layers)
         else "a count or an average a layer keeps moves once per micro-batch"
     )
     warn_at_user_code(

@@ -23,7 +23,7 @@ _EXPORTS = {
     "AccumulatedGradients": "keras_memguard.backends.tensorflow.accumulation",
     "MicroBatch": "keras_memguard.backends.tensorflow.splitting",
     "accumulate_gradients": "keras_memguard.backends.tensorflow.accumulation",
-    "has_batch_statistics_layers": "keras_memguard.backends.tensorflow.step",
+    "has_batch_statistics_layers": "keras_memguard.forward_writes",
     "make_step_function": "keras_memguard.backends.tensorflow.step",
     "micro_batch_train_step": "keras_memguard.backends.tensorflow.step",
     "split_micro_batches": "keras_memguard.backends.tensorflow.splitting",

@@ -80,7 +80,7 @@ from keras_memguard.backends.tensorflow.step import build_optimizer
 from keras_memguard.backends.tensorflow.step import cached_function
 from keras_memguard.backends.tensorflow.step import finish_step
 from keras_memguard.backends.tensorflow.step import trains_with_own_step
-from keras_memguard.backends.tensorflow.step import warn_batch_statistics_once
+from keras_memguard.forward_writes import warn_batch_statistics_once
 
 
 # The coordination-service key under which a worker that runs out of memory

@@ -21,9 +21,8 @@ import keras
 import tensorflow as tf
 
 from keras_memguard.errors import MicroBatchTooLargeError
-from keras_memguard.forward_writes import has_batch_statistics_layers  # noqa: F401 (public here)
-from keras_memguard.forward_writes import warn_batch_statistics_once
 from keras_memguard.errors import UnsupportedTrainingSetupError
+from keras_memguard.forward_writes import warn_batch_statistics_once
 from keras_memguard.backends import compat
 from keras_memguard.backends.tensorflow import remat
 from keras_memguard.backends.tensorflow import xla_memory

@@ -246,11 +246,12 @@ class TorchTrainingRun:
         # No autograd graph: the check's forward passes keep no activations.
         with torch.no_grad():
             split_loss.check_once(self.model, data, batch_size, k)
-            # A training pass: an unseeded Dropout draws from torch's global
-            # generator, whose state is put back so the run draws as plain `fit`.
-            devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-            with torch.random.fork_rng(devices=devices):
-                forward_writes.check_once(self.model, data, batch_size, k)
+            if forward_writes.due(self.model, batch_size, k):
+                # A training pass: an unseeded Dropout draws from torch's global
+                # generator, whose state is put back so the run draws as plain `fit`.
+                devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+                with torch.random.fork_rng(devices=devices):
+                    forward_writes.check_once(self.model, data, batch_size, k)
         return k
 
     def _on_out_of_memory(self, failure):
