@@ -131,6 +131,66 @@ def test_under_a_real_cap_evaluate_and_predict_finish_where_plain_keras_runs_out
     assert result["wide_first_batch_equal"]
 
 
+class CountsCalls(keras.Model):
+    """A subclassed model (no layer output sizes to read) that counts its forward passes."""
+
+    def __init__(self, make_inputs_layer):
+        super().__init__()
+        self.inputs_layer = make_inputs_layer()
+        self.hidden = keras.layers.Dense(32, activation="relu")
+        self.out = keras.layers.Dense(3)
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+    def call(self, x, training=False):
+        self.calls.assign_add(1.0)
+        return self.out(self.hidden(self.inputs_layer(x)))
+
+
+def test_a_first_batch_that_fits_is_evaluated_and_predicted_whole_where_shapes_tell_nothing():
+    # Before any batch is measured, the slices come from one sample's layer
+    # outputs; a subclassed model, or tokens of any length, tell none in
+    # their static shapes, and the first batch went in the cautious 8
+    # slices on any memory. Now its forward pass, traced, tells them.
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, 96)
+
+    def tokens_of_any_length():
+        return keras.Sequential([
+            keras.layers.Embedding(50, 8), keras.layers.GlobalAveragePooling1D(),
+        ])
+
+    cases = {
+        "features": (lambda: keras.layers.Identity(), rng.normal(size=(96, 8)).astype("float32")),
+        "tokens": (tokens_of_any_length, rng.integers(0, 50, (96, 20)).astype("int32")),
+    }
+    for name, (make_inputs_layer, x) in cases.items():
+        keras.utils.set_random_seed(0)
+        model = CountsCalls(make_inputs_layer)
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        plain = model.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+        plain_predictions = model.predict(x, batch_size=32, verbose=0)
+        guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan_cache=False)
+        calls = float(model.calls.numpy())
+        guarded = model.evaluate(
+            x, y, batch_size=32, verbose=0, return_dict=True, callbacks=[guard]
+        )
+        assert model.calls.numpy() - calls == 3, name  # one pass a batch
+        assert guarded["loss"] == pytest.approx(plain["loss"], rel=1e-6), name
+        calls = float(model.calls.numpy())
+        predictions = model.predict(x, batch_size=32, verbose=0, callbacks=[guard])
+        assert model.calls.numpy() - calls == 3, name
+        np.testing.assert_allclose(predictions, plain_predictions, rtol=1e-6, atol=1e-6)
+        # Validation in `fit` plans its slices the same way: one training
+        # batch and three validation batches, each one pass.
+        calls = float(model.calls.numpy())
+        model.fit(
+            x, y, batch_size=96, epochs=1, verbose=0, shuffle=False,
+            validation_data=(x, y), validation_batch_size=32,
+            callbacks=[keras_memguard.MemoryGuard(memory_limit=1 << 30, plan_cache=False)],
+        )
+        assert model.calls.numpy() - calls == 4, name
+
+
 def test_a_summed_loss_evaluated_in_slices_is_the_whole_batchs():
     # Keras' loss tracker weighs each call's loss by its samples: a slice's
     # sum used to count its share of itself (a third here).

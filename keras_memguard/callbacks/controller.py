@@ -106,6 +106,23 @@ class GuardController:
         self._memo = (self.state, batch_size, sample_size, planned_in_use, k)
         return k
 
+    def estimate_sample_bytes(self, estimate):
+        """Sets one sample's layer outputs from `estimate()`, where the first plan needs them.
+
+        Only while nothing is known or measured (no layer outputs from the
+        static shapes, no reading, no error): `estimate` (a traced forward
+        pass) runs for the first batch of a model whose shapes tell nothing,
+        not for every batch.
+
+        Args:
+            estimate: A function of no arguments returning the bytes of one
+                sample's layer outputs (0: unknown).
+        """
+        state = self.state
+        if state.sample_bytes or state.readings or state.failures:
+            return
+        self.state = state._replace(sample_bytes=float(estimate()))
+
     def one_sample_fits(self, batch_size, sample_size, in_use_bytes):
         """Whether one sample per micro-batch is predicted to fit now."""
         return decider.one_sample_fits(

@@ -46,12 +46,19 @@ class InferenceRun:
         plan_compiled: For such a model: the slicing function's
             `plan_compiled` hook, which plans each batch's slices from the
             compiled step's buffers. `None` otherwise. Defaults to `None`.
+        sample_bytes_of: Called as `sample_bytes_of(data)` before the first
+            batch of a model whose static shapes tell no layer output's
+            size: one sample's layer outputs, read from the batch (the
+            traced forward pass), so that a batch that fits runs whole
+            rather than in the cautious first split. `None`: not read.
+            Defaults to `None`.
     """
 
     def __init__(
         self, kind, model, controller, reader, consumer, limits, explain, report,
         stop_compiled=None,
         plan_compiled=None,
+        sample_bytes_of=None,
     ):
         self.kind = kind
         self.model = model
@@ -63,6 +70,7 @@ class InferenceRun:
         self.report = report
         self.stop_compiled = stop_compiled
         self.plan_compiled = plan_compiled
+        self.sample_bytes_of = sample_bytes_of
         self.function = None
         self._before = None
         self._replayed = False
@@ -98,7 +106,9 @@ class InferenceRun:
             self.function.restore()
             self.function = None
 
-    def _plan(self, batch_size, sample_size):
+    def _plan(self, batch_size, sample_size, data):
+        if self.sample_bytes_of is not None:
+            self.controller.estimate_sample_bytes(lambda: self.sample_bytes_of(data))
         # Reading resets the peak: the batch's own peak is read after it.
         self._before = self._in_use(self.reader.read(self.consumer, None))
         return self.controller.plan(batch_size, sample_size, self._before)

@@ -83,8 +83,9 @@ class ReplayTestFunction(SlicedStepFunction):
             slice of one sample gives `micro_batches == batch_size`). It
             returns a larger number of micro-batches to go on with, or
             raises. `None` re-raises the error. Defaults to `None`.
-        plan: Called as `plan(batch_size, sample_size)` before each batch
-            (`sample_size`: elements of one sample's inputs); returns the
+        plan: Called as `plan(batch_size, sample_size, data)` before each batch
+            (`sample_size`: elements of one sample's inputs; `data`: the
+            batch as the dataset yields it); returns the
             number of slices to evaluate it in. `None` keeps the count in
             force. Defaults to `None`.
         plan_compiled: For a step XLA compiles: called as

@@ -57,7 +57,7 @@ class ReplayPredictFunction(SlicedStepFunction):
             micro_batches` samples runs out of memory; returns a larger
             count to go on with, or raises. `None` re-raises the error.
             Defaults to `None`.
-        plan: Called as `plan(batch_size, sample_size)` before each batch;
+        plan: Called as `plan(batch_size, sample_size, data)` before each batch;
             returns the number of slices to predict it in. `None` keeps the
             count in force. Defaults to `None`.
         plan_compiled: For a step XLA compiles: called as

@@ -224,8 +224,11 @@ class TfTrainingRun:
             self._eval_function = None
         self._validation = None
 
-    def _plan_validation_batch(self, batch_size, sample_size):
+    def _plan_validation_batch(self, batch_size, sample_size, data):
         """The slices a validation batch runs in: never fewer than an error taught."""
+        self._validation.estimate_sample_bytes(
+            lambda: activations.traced_sample_bytes(self.model, data)
+        )
         # Reading resets the peak: the batch's own peak is read after it.
         self._validation_before = self._in_use(self.session.read())
         self._validation_failed = False
@@ -856,6 +859,12 @@ def inference_run(session, kind):
         ),
         plan_compiled=(
             _compiled_slice_planner(session, kind) if xla_memory.uses_xla(model) else None
+        ),
+        # Without XLA the first batch is planned from its layer outputs
+        # (an XLA step from its compiled program).
+        sample_bytes_of=(
+            None if xla_memory.uses_xla(model)
+            else functools.partial(activations.traced_sample_bytes, model)
         ),
     )
     run.start()

@@ -40,6 +40,9 @@ class SlicedStepFunction:
     returns the batch's result from its slices'. `_on_failed_slice()`,
     `_on_install()` and `_on_restore()` are optional.
 
+    `plan`, when given, is called as `plan(batch_size, sample_size, data)`
+    before each batch and returns the count to run it in.
+
     `plan_compiled`, for a step XLA compiles, is called as
     `plan_compiled(step, data, batch_size, micro_batches)` before each
     batch, after `plan`, with the compiled step `_start_batch()` returned
@@ -125,7 +128,7 @@ class SlicedStepFunction:
         if self.plan is not None:
             self.last_sample_size = sample_size_of(data)
             self.micro_batches = validate_micro_batches(
-                self.plan(batch_size, self.last_sample_size)
+                self.plan(batch_size, self.last_sample_size, data)
             )
         if self.plan_compiled is not None:
             # An XLA step: no count whose compiled program does not fit runs.
