@@ -84,6 +84,19 @@ def parts_and_whole(model, data, size, exact_masks=True):
             lambda t: None if t is None else t[start:stop], value
         )
 
+    def predicted_rows(value, start, stop):
+        # A part's outputs keep their Keras mask (`mask_zero`, `Masking`),
+        # as a micro-batch's own forward pass gives it: a slice has none,
+        # and the part's loss would average over the padding too.
+        def cut(t):
+            if t is None:
+                return None
+            mask = compat.keras_mask(t)
+            part = t[start:stop]
+            return part if mask is None else compat.set_keras_mask(part, mask[start:stop])
+
+        return keras.tree.map_structure(cut, value)
+
     kept = [
         (variable, variable.numpy())
         for variable in list(model.metrics_variables)
@@ -118,7 +131,7 @@ def parts_and_whole(model, data, size, exact_masks=True):
                 predicted = model(rows(x, start, stop), training=False)
                 added = _added_values(model)
             else:
-                predicted, added = rows(y_pred, start, stop), None
+                predicted, added = predicted_rows(y_pred, start, stop), None
             with compat.scaling_summed_losses(1.0 / share), compat.recording_loss_masks() as masks:
                 value = _number(loss(start, stop, predicted))
             parts.append((share, value, [tuple(_number(v) for v in pair) for pair in masks], added))

@@ -379,6 +379,52 @@ def assert_masked_losses_train_as_plain_fit(make_guard=fixed_split):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-6, err_msg=name)
 
 
+def assert_a_masked_sequence_loss_is_not_called_one_over_the_whole_batch(recwarn):
+    """A tagger whose Keras mask reaches its loss: no warning, and plain `fit`'s weights.
+
+    Before the first split the guard compares a loss of two samples whole
+    with its parts' (`split_loss`); the parts' outputs were sliced from the
+    whole's without their mask, so they averaged over the padding too, and
+    a loss that micro-batches combine exactly was named as one computed
+    over the whole batch, with the advice to stop splitting.
+    """
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 30, size=(32, 12)).astype("int32")
+    ids[0::2, 1:] = 0  # every other sequence a single token, then padding
+    # Tags the untrained tagger (its bias toward tag 0) gets right, and
+    # wrong ones under the padding: a loss that counted the padding would
+    # be far from the masked one.
+    tags = np.where(ids > 0, 0, 3)
+    results = []
+    for callbacks in ([], [fixed_split(8)]):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((12,), dtype="int32")
+        hidden = keras.layers.Embedding(30, 8, mask_zero=True)(inputs)
+        hidden = keras.layers.LSTM(8, return_sequences=True)(hidden)
+        model = keras.Model(
+            inputs,
+            keras.layers.TimeDistributed(
+                keras.layers.Dense(
+                    4, bias_initializer=keras.initializers.Constant([4.0, 0.0, 0.0, 0.0])
+                )
+            )(hidden),
+        )
+        model.compile(
+            keras.optimizers.SGD(0.1),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            weighted_metrics=["accuracy"],
+        )
+        model.fit(
+            ids, tags, batch_size=16, epochs=1, shuffle=False, verbose=0,
+            callbacks=callbacks,
+        )
+        results.append(model.get_weights())
+    for want, got in zip(*results):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    told = [str(w.message) for w in recwarn if "losses add up to" in str(w.message)]
+    assert not told, told
+
+
 def assert_several_masked_loss_terms_are_warned_about_once(recwarn):
     """Two outputs, each with a loss over unmasked tokens: a warning, once.
 
@@ -594,6 +640,10 @@ def test_several_masked_loss_terms_are_warned_about_once(recwarn):
 
 def test_masked_losses_train_as_plain_fit():
     assert_masked_losses_train_as_plain_fit()
+
+
+def test_a_masked_sequence_loss_is_not_called_one_over_the_whole_batch(recwarn):
+    assert_a_masked_sequence_loss_is_not_called_one_over_the_whole_batch(recwarn)
 
 
 def test_a_model_that_fits_trains_as_plain_fit_under_a_default_guard(recwarn):

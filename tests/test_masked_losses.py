@@ -21,6 +21,7 @@ from keras_memguard.backends.tensorflow.mixin import MemGuardMixin
 from split_cases import assert_added_losses_train_as_plain_fit
 from split_cases import assert_metric_functions_read_as_plain_fit
 from split_cases import test_masked_losses_train_as_plain_fit  # noqa: F401
+from split_cases import test_a_masked_sequence_loss_is_not_called_one_over_the_whole_batch  # noqa: F401
 from split_cases import test_variables_the_forward_pass_writes_are_named_at_a_split  # noqa: F401
 from split_cases import test_several_masked_loss_terms_are_warned_about_once  # noqa: F401
 from split_cases import assert_an_output_without_a_batch_dimension_trains_as_plain_fit

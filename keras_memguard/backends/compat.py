@@ -73,6 +73,8 @@ PRIVATE_NAMES = (
     ("tensorflow.compiler.tf2xla.python.xla", "optimization_barrier"),
     ("keras.src.losses.loss", "apply_mask"),
     ("keras.src.losses.loss", "reduce_values"),
+    ("keras.src.backend", "get_keras_mask"),
+    ("keras.src.backend", "set_keras_mask"),
     ("tf.function", "_omit_frequent_tracing_warning"),
     ("keras.src.trainers.data_adapters", "get_data_adapter"),
     ("keras.src.trainers.trainer", "model_supports_jit"),
@@ -89,6 +91,8 @@ JAX_PRIVATE_NAMES = (
     ("keras.src.backend.jax.trainer.JAXTrainer", "jax_state_sync"),
     ("keras.Model", "_symbolic_build"),
     ("keras.src.losses.loss", "reduce_values"),
+    ("keras.src.backend", "get_keras_mask"),
+    ("keras.src.backend", "set_keras_mask"),
 )
 # The torch trainer's private names, resolved where torch is installed.
 TORCH_PRIVATE_NAMES = (

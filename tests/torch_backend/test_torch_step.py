@@ -17,6 +17,7 @@ import keras_memguard
 from split_cases import fixed_split
 from split_cases import test_a_model_that_fits_trains_as_plain_fit_under_a_default_guard  # noqa: F401
 from split_cases import test_masked_losses_train_as_plain_fit  # noqa: F401
+from split_cases import test_a_masked_sequence_loss_is_not_called_one_over_the_whole_batch  # noqa: F401
 from split_cases import test_variables_the_forward_pass_writes_are_named_at_a_split  # noqa: F401
 from split_cases import test_several_masked_loss_terms_are_warned_about_once  # noqa: F401
 from split_cases import test_losses_the_layers_add_train_as_plain_fit  # noqa: F401
