@@ -343,6 +343,19 @@ def test_default_and_unavailable_modes_without_bfc():
     assert unavailable["samples"] == [[None, None, None]] * 4
     # find_batch_size on such readings: a clear refusal, the weights kept
     # (it tried 8.8e12 samples and raised numpy's MemoryError).
+    # A default guard on a model that fits trains as plain `fit` does on
+    # both. With no reading at all it used to hold its cautious first
+    # split of 8 for the whole run, 5e-2 from plain `fit`'s weights
+    # (BatchNormalization's statistics per micro-batch); now it says it
+    # cannot plan and trains whole batches.
+    guarded = unavailable["guarded"]
+    assert guarded["micro_batches"] == [1, 1], guarded
+    assert guarded["difference"] <= 1e-6, guarded
+    told = [m for m in guarded["messages"] if "cannot plan micro-batches" in m]
+    assert len(told) == 1 and "CPU:0 keeps no memory statistics" in told[0], guarded
+    assert default["guarded"]["micro_batches"] == [1, 1], default["guarded"]
+    assert default["guarded"]["difference"] <= 1e-6, default["guarded"]
+    assert not [m for m in default["guarded"]["messages"] if "cannot plan" in m]
     for result in (default, unavailable):
         kind, message = result["search"]
         assert kind == "UnsupportedTrainingSetupError", result["search"]

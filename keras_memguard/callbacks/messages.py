@@ -318,6 +318,18 @@ def stateful_whole_batches(class_name, layers):
     )
 
 
+def unreadable_whole_batches(devices):
+    """The warning when the devices planned against keep no memory statistics."""
+    return (
+        f"MemoryGuard cannot plan micro-batches: {', '.join(devices)} "
+        "keeps no memory statistics, so no batch's memory can be measured. "
+        "Batches train whole, as in plain `fit`, and a batch that runs out "
+        "of memory is replayed in micro-batches. HINT: on TensorFlow's CPU, "
+        "set TF_CPU_ALLOCATOR_USE_BFC=true in the environment before "
+        "TensorFlow is imported."
+    )
+
+
 def stateful_split_refused(class_name, layers, micro_batches):
     """`UnsupportedTrainingSetupError`'s text for micro-batches asked of stateful layers."""
     return (

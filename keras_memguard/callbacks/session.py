@@ -342,6 +342,28 @@ class GuardSession:
             self.controller.plan_key = None
             self.controller.restart_model()
 
+    def react_where_unreadable(self):
+        """Reacts to errors instead of planning where the memory cannot be read.
+
+        Planning needs the memory in use before a batch and its peak after.
+        A device that keeps no statistics (TensorFlow's default CPU
+        allocator with oneDNN off; PyTorch's host memory without `/proc`)
+        gives neither, and the first batch's cautious split would hold for
+        the whole run with nothing to learn from: a step unlike plain
+        `fit`'s (BatchNormalization's statistics, an embedding's rows under
+        Adam), and slower. Where every device planned against is such a
+        device, the guard stops planning (`stop_planning`), once, with a
+        warning: batches train whole until one runs out of memory.
+        """
+        if not (self.config.predictive and self.options.plan):
+            return
+        probe = self.probe
+        smallest = self.smallest_limit
+        planned = [d for d, limit in zip(probe.devices, self.limits) if limit == smallest]
+        if planned and all(probe.device_mode(d) == "unavailable" for d in planned):
+            logger.warning("%s", messages.unreadable_whole_batches(planned))
+            self.stop_planning()
+
     def stop_planning(self):
         """Reacts to each batch's peak from now on instead of planning it.
 

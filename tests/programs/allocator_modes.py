@@ -1,6 +1,9 @@
 """AllocatorProbe without the BFC allocator: the mode TensorFlow was started
 in (oneDNN on: "default"; off: "unavailable"), its samples and its warnings;
-and what `find_batch_size` makes of those readings on a small MLP.
+what `find_batch_size` makes of those readings on a small MLP; and a
+default `MemoryGuard` on a BatchNormalization MLP against plain `fit`: the
+micro-batch count of each epoch, the weights' largest difference and the
+guard's messages.
 
 Run by tests/test_allocator_probe.py with `TF_ENABLE_ONEDNN_OPTS` set and
 no BFC variables; reports through `emit_result`. The warnings must point at
@@ -41,7 +44,9 @@ def main():
             search = [type(error).__name__, str(error)]
         else:
             search = ["answer", found.largest_batch_size]
+    guarded = guarded_against_plain()
     emit_result({
+        "guarded": guarded,
         "search": search,
         "weights_kept": all(
             np.array_equal(a, b) for a, b in zip(before, model.get_weights())
@@ -52,6 +57,39 @@ def main():
         "samples": [[s.current_bytes, s.peak_bytes, s.usage] for (s,) in samples],
         "warnings": [[str(w.message), w.filename] for w in caught],
     })
+
+
+def guarded_against_plain():
+    import keras
+    import numpy as np
+    import keras_memguard
+    from programs.common import collect_package_messages
+
+    messages = collect_package_messages()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(192, 8)).astype("float32")
+    y = rng.integers(0, 3, 192)
+    weights, counts = [], []
+    for guard in (None, keras_memguard.MemoryGuard(memory_limit=2**30, plan_cache=False)):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
+            keras.layers.ReLU(), keras.layers.Dense(3, activation="softmax"),
+        ])
+        model.compile("adam", "sparse_categorical_crossentropy")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            history = model.fit(
+                x, y, batch_size=64, epochs=2, shuffle=False, verbose=0,
+                callbacks=[guard] if guard else [],
+            )
+        weights.append(model.get_weights())
+        counts.append(history.history.get("micro_batches"))
+    return {
+        "micro_batches": counts[1],
+        "difference": max(float(np.max(np.abs(a - b))) for a, b in zip(*weights)),
+        "messages": messages,
+    }
 
 
 if __name__ == "__main__":

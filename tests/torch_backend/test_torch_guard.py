@@ -324,6 +324,35 @@ def test_a_second_fit_of_the_same_setup_starts_from_the_learned_count(caplog):
     assert uncached[0] == 8, uncached
 
 
+def test_a_guard_that_cannot_read_memory_trains_whole_batches(tmp_path, monkeypatch, caplog):
+    # Without `/proc` (macOS, Windows) the host memory cannot be read: the
+    # first split of 8 held for the whole run, with nothing to learn from
+    # (BatchNormalization's statistics per micro-batch). Now the guard
+    # says it cannot plan and trains whole batches, as plain `fit` does.
+    from keras_memguard.backends.torch import probe as torch_probe
+
+    monkeypatch.setattr(torch_probe, "STATUS_PATH", str(tmp_path / "no_status"))
+    x, y = mlp_data(120)
+
+    def build():
+        model = keras.Sequential([
+            keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
+            keras.layers.ReLU(), keras.layers.Dense(3, activation="softmax"),
+        ])
+        model.compile("adam", "sparse_categorical_crossentropy")
+        return model
+
+    plain, guarded = twins(build)
+    plain.fit(x, y, **FIT)
+    guard = keras_memguard.MemoryGuard(memory_limit=BIG, plan_cache=False)
+    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
+        history = guarded.fit(x, y, callbacks=[guard], **FIT)
+    assert history.history["micro_batches"] == [1, 1]
+    assert max_relative_difference(plain, guarded) <= 1e-6
+    told = [r.getMessage() for r in caplog.records if "cannot plan" in r.getMessage()]
+    assert len(told) == 1 and "keeps no memory statistics" in told[0], told
+
+
 # --- TensorBoard, beside MemoryMonitor. ---
 
 

@@ -129,7 +129,9 @@ class TfTrainingRun:
                 gradient_bytes(model),
                 oom_explanation.layer_output_bytes(model),
             )
-        elif not session.started and not session.options.plan:
+        elif not session.started:
+            session.react_where_unreadable()
+        if not self.multi_worker and not session.started and not session.config.predictive:
             # No plan hook runs first: start from what is known now (the
             # layer outputs bound a replay's demand from below, as planning's).
             session.start(
@@ -843,6 +845,7 @@ def inference_run(session, kind):
         messages.log_inference_unsupported(kind, replicas)
         return None
     session.capture_dumps(new=False)
+    session.react_where_unreadable()
     run = inference.InferenceRun(
         kind,
         model,

@@ -174,7 +174,9 @@ class TorchTrainingRun:
                 messages.own_step_whole(type(model).__name__, "torch"), "torch"
             )
             whole_step = model.train_step
-        if not session.started and not session.options.plan:
+        if not session.started:
+            session.react_where_unreadable()
+        if not session.started and not session.config.predictive:
             self._start(None)
         self.function = ReplayingTrainFunction(
             model,
