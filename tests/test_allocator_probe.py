@@ -345,7 +345,7 @@ def test_default_and_unavailable_modes_without_bfc():
     # (it tried 8.8e12 samples and raised numpy's MemoryError).
     # A default guard on a model that fits trains as plain `fit` does on
     # both. With no reading at all it used to hold its cautious first
-    # split of 8 for the whole run, 5e-2 from plain `fit`'s weights
+    # split of 8 for the whole run, 0.26 from plain `fit`'s weights
     # (BatchNormalization's statistics per micro-batch); now it says it
     # cannot plan and trains whole batches.
     guarded = unavailable["guarded"]
