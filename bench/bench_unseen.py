@@ -90,6 +90,8 @@ MODELS = {
     "vit": 128,
     "gru_masked": 256,
     "two_heads": 1024,
+    "unet": 32,
+    "tagger": 128,
 }
 
 
@@ -148,6 +150,10 @@ def build(name):
         return _gru_masked(rng, samples, batch)
     if name == "two_heads":
         return _two_heads(rng, samples, batch)
+    if name == "unet":
+        return _unet(rng, samples, batch)
+    if name == "tagger":
+        return _tagger(rng, samples, batch)
     # A pre-norm GPT-style decoder: 3 blocks, width 96, 96 tokens, 3000 logits.
     vocabulary, tokens, width = 3000, 96, 96
     ids = keras.Input((tokens,), dtype="int32")
@@ -256,6 +262,61 @@ def _two_heads(rng, samples, batch):
     )
     x = rng.random((samples, 256), dtype="float32")
     y = {"cls": rng.integers(0, 100, samples), "reg": rng.random((samples, 1), dtype="float32")}
+    return model, x, y, batch
+
+
+def _unet(rng, samples, batch):
+    """A U-Net for binary segmentation on uint8 images, as keras.io's
+    segmentation examples build one: `Rescaling` in the model, two levels
+    of convolutions down, `Conv2DTranspose` up with skip connections, a
+    per-pixel sigmoid; 128x128x3."""
+    import keras
+    import numpy as np
+
+    layers = keras.layers
+    inputs = keras.Input((128, 128, 3), dtype="uint8")
+    h = layers.Rescaling(1 / 255.0)(inputs)
+    skips = []
+    for width in (16, 32):
+        h = layers.Conv2D(width, 3, padding="same", activation="relu")(h)
+        h = layers.Conv2D(width, 3, padding="same", activation="relu")(h)
+        skips.append(h)
+        h = layers.MaxPooling2D()(h)
+    h = layers.Conv2D(64, 3, padding="same", activation="relu")(h)
+    for width, skip in zip((32, 16), reversed(skips)):
+        h = layers.Conv2DTranspose(width, 2, strides=2)(h)
+        h = layers.Concatenate()([h, skip])
+        h = layers.Conv2D(width, 3, padding="same", activation="relu")(h)
+    model = keras.Model(inputs, layers.Conv2D(1, 1, activation="sigmoid")(h))
+    model.compile("adam", "binary_crossentropy", metrics=["binary_accuracy"])
+    x = rng.integers(0, 256, (samples, 128, 128, 3)).astype("uint8")
+    y = (rng.random((samples, 128, 128, 1)) > 0.5).astype("float32")
+    return model, x, y, batch
+
+
+def _tagger(rng, samples, batch):
+    """A sequence tagger on padded token ids: `Embedding(mask_zero=True)`,
+    a bidirectional LSTM over every token, a `TimeDistributed` softmax of
+    20 tags; the loss a mean over the unmasked tokens, accuracy a weighted
+    metric (the mask); 160 tokens."""
+    import keras
+    import numpy as np
+
+    layers = keras.layers
+    vocabulary, tokens, tags = 8000, 160, 20
+    ids = keras.Input((tokens,), dtype="int32")
+    h = layers.Embedding(vocabulary, 128, mask_zero=True)(ids)
+    h = layers.Bidirectional(layers.LSTM(128, return_sequences=True))(h)
+    model = keras.Model(ids, layers.TimeDistributed(layers.Dense(tags))(h))
+    model.compile(
+        "adam",
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=["accuracy"],
+    )
+    x = rng.integers(1, vocabulary, (samples, tokens)).astype("int32")
+    lengths = rng.integers(tokens // 4, tokens + 1, samples)
+    x[np.arange(tokens)[None, :] >= lengths[:, None]] = 0
+    y = rng.integers(0, tags, (samples, tokens)).astype("int32")
     return model, x, y, batch
 
 
