@@ -323,8 +323,9 @@ def unreadable_whole_batches(devices):
     return (
         f"MemoryGuard cannot plan micro-batches: {', '.join(devices)} "
         "keeps no memory statistics, so no batch's memory can be measured. "
-        "Batches train whole, as in plain `fit`, and a batch that runs out "
-        "of memory is replayed in micro-batches. HINT: on TensorFlow's CPU, "
+        "Batches train whole, as in plain `fit`, and an out-of-memory error "
+        "is handled as with `plan=False` (replayed in micro-batches; on XLA, "
+        "a clear error). HINT: on TensorFlow's CPU, "
         "set TF_CPU_ALLOCATOR_USE_BFC=true in the environment before "
         "TensorFlow is imported."
     )
