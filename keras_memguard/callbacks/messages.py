@@ -318,12 +318,17 @@ def stateful_whole_batches(class_name, layers):
     )
 
 
-def unreadable_whole_batches(devices):
+def unreadable_whole_batches(devices, micro_batches=1):
     """The warning when the devices planned against keep no memory statistics."""
+    batches = (
+        "Batches train whole, as in plain `fit`"
+        if micro_batches == 1
+        else f"Batches train at micro_batches={micro_batches}, as asked"
+    )
     return (
         f"MemoryGuard cannot plan micro-batches: {', '.join(devices)} "
         "keeps no memory statistics, so no batch's memory can be measured. "
-        "Batches train whole, as in plain `fit`, and an out-of-memory error "
+        f"{batches}, and an out-of-memory error "
         "is handled as with `plan=False` (replayed in micro-batches; on XLA, "
         "a clear error). HINT: on TensorFlow's CPU, "
         "set TF_CPU_ALLOCATOR_USE_BFC=true in the environment before "

@@ -353,7 +353,8 @@ class GuardSession:
         `fit`'s (BatchNormalization's statistics, an embedding's rows under
         Adam), and slower. Where every device planned against is such a
         device, the guard stops planning (`stop_planning`), once, with a
-        warning: batches train whole until one runs out of memory.
+        warning: batches train whole (or at the `micro_batches` asked for)
+        until one runs out of memory.
         """
         if not (self.config.predictive and self.options.plan):
             return
@@ -361,8 +362,9 @@ class GuardSession:
         smallest = self.smallest_limit
         planned = [d for d, limit in zip(probe.devices, self.limits) if limit == smallest]
         if planned and all(probe.device_mode(d) == "unavailable" for d in planned):
-            logger.warning("%s", messages.unreadable_whole_batches(planned))
             self.stop_planning()
+            count = self.controller.state.micro_batches
+            logger.warning("%s", messages.unreadable_whole_batches(planned, count))
 
     def stop_planning(self):
         """Reacts to each batch's peak from now on instead of planning it.
