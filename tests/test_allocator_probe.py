@@ -352,7 +352,11 @@ def test_default_and_unavailable_modes_without_bfc():
     assert guarded["micro_batches"] == [1, 1], guarded
     assert guarded["difference"] <= 1e-6, guarded
     told = [m for m in guarded["messages"] if "cannot plan micro-batches" in m]
-    assert len(told) == 1 and "CPU:0 keeps no memory statistics" in told[0], guarded
+    # Once per guard: the MLP's and the own step's.
+    assert len(told) == 2 and "CPU:0 keeps no memory statistics" in told[0], guarded
+    # `evaluate` after a `fit` of a model with its own `train_step`: one
+    # pass a batch (3 batches), not the cautious 8 slices held each batch.
+    assert guarded["own_step_evaluate_passes"] == 3, guarded
     assert default["guarded"]["micro_batches"] == [1, 1], default["guarded"]
     assert default["guarded"]["difference"] <= 1e-6, default["guarded"]
     assert not [m for m in default["guarded"]["messages"] if "cannot plan" in m]

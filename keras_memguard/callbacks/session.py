@@ -369,12 +369,15 @@ class GuardSession:
     def stop_planning(self):
         """Reacts to each batch's peak from now on instead of planning it.
 
-        The configuration stops predicting; without a restored state, the
-        decider starts again from `options.micro_batches`, as a guard made
-        with `plan=False` would.
+        The configuration stops predicting (`evaluate`'s and `predict`'s
+        too, where training's differs from theirs); without a restored
+        state, the decider starts again from `options.micro_batches`, as a
+        guard made with `plan=False` would.
         """
         self.config = self.config._replace(predictive=False)
         self.controller.config = self.config
+        if self._inference_config is not None:
+            self._inference_config = self._inference_config._replace(predictive=False)
         if not self._restored:
             self.controller.state = decider.init(self.config, self.options.micro_batches)
 

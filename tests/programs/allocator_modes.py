@@ -85,7 +85,32 @@ def guarded_against_plain():
             )
         weights.append(model.get_weights())
         counts.append(history.history.get("micro_batches"))
+    # A model with its own `train_step` (batches trained whole), then
+    # evaluated under the same guard: each batch one forward pass.
+    class OwnStep(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden = keras.layers.Dense(16, activation="relu")
+            self.out = keras.layers.Dense(3, activation="softmax")
+            self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+        def call(self, inputs, training=False):
+            self.calls.assign_add(1.0)
+            return self.out(self.hidden(inputs))
+
+        def train_step(self, data):
+            return super().train_step(data)
+
+    own = OwnStep()
+    own.compile("adam", "sparse_categorical_crossentropy")
+    guard = keras_memguard.MemoryGuard(memory_limit=2**30, plan_cache=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        own.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[guard])
+        before = float(own.calls.numpy())
+        own.evaluate(x, y, batch_size=64, verbose=0, callbacks=[guard])
     return {
+        "own_step_evaluate_passes": float(own.calls.numpy()) - before,
         "micro_batches": counts[1],
         "difference": max(float(np.max(np.abs(a - b))) for a, b in zip(*weights)),
         "messages": messages,
