@@ -106,22 +106,21 @@ class GuardController:
         self._memo = (self.state, batch_size, sample_size, planned_in_use, k)
         return k
 
-    def estimate_sample_bytes(self, estimate):
-        """Sets one sample's layer outputs from `estimate()`, where the first plan needs them.
+    @property
+    def needs_sample_bytes(self):
+        """Whether the first plan still lacks one sample's layer outputs.
 
-        Only while nothing is known or measured (no layer outputs from the
-        static shapes, no reading, no error): `estimate` (a traced forward
-        pass) runs for the first batch of a model whose shapes tell nothing,
-        not for every batch.
-
-        Args:
-            estimate: A function of no arguments returning the bytes of one
-                sample's layer outputs (0: unknown).
+        True while nothing is known or measured (no layer outputs from the
+        static shapes, no reading, no error): only then is a traced forward
+        pass worth running, for the first batch of a model whose shapes tell
+        nothing, not for every batch.
         """
         state = self.state
-        if state.sample_bytes or state.readings or state.failures:
-            return
-        self.state = state._replace(sample_bytes=float(estimate()))
+        return not (state.sample_bytes or state.readings or state.failures)
+
+    def set_sample_bytes(self, sample_bytes):
+        """Sets one sample's layer outputs (0: unknown) for the first plan."""
+        self.state = self.state._replace(sample_bytes=float(sample_bytes))
 
     def one_sample_fits(self, batch_size, sample_size, in_use_bytes):
         """Whether one sample per micro-batch is predicted to fit now."""

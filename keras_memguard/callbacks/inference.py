@@ -107,8 +107,8 @@ class InferenceRun:
             self.function = None
 
     def _plan(self, batch_size, sample_size, data):
-        if self.sample_bytes_of is not None:
-            self.controller.estimate_sample_bytes(lambda: self.sample_bytes_of(data))
+        if self.sample_bytes_of is not None and self.controller.needs_sample_bytes:
+            self.controller.set_sample_bytes(self.sample_bytes_of(data))
         # Reading resets the peak: the batch's own peak is read after it.
         self._before = self._in_use(self.reader.read(self.consumer, None))
         return self.controller.plan(batch_size, sample_size, self._before)

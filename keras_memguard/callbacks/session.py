@@ -366,6 +366,24 @@ class GuardSession:
             count = self.controller.state.micro_batches
             logger.warning("%s", messages.unreadable_whole_batches(planned, count))
 
+    def start_unless_planning(self, start):
+        """Calls `start()` at a run's beginning where no plan hook will.
+
+        Not started yet: checks first whether the memory can be read
+        (`react_where_unreadable`); where the guard then does not plan, no
+        plan hook starts the session before the first batch, so `start`
+        (the run's own `start` with what it knows now) does. Planning runs
+        start from their first plan instead, with the batch in hand.
+
+        Args:
+            start: A function of no arguments that starts this session.
+        """
+        if self.started:
+            return
+        self.react_where_unreadable()
+        if not self.config.predictive:
+            start()
+
     def stop_planning(self):
         """Reacts to each batch's peak from now on instead of planning it.
 

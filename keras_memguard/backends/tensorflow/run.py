@@ -129,15 +129,16 @@ class TfTrainingRun:
                 gradient_bytes(model),
                 oom_explanation.layer_output_bytes(model),
             )
-        elif not session.started:
-            session.react_where_unreadable()
-        if not self.multi_worker and not session.started and not session.config.predictive:
-            # No plan hook runs first: start from what is known now (the
-            # layer outputs bound a replay's demand from below, as planning's).
-            session.start(
-                session.smallest_limit,
-                gradient_bytes(model),
-                oom_explanation.layer_output_bytes(model),
+        else:
+            # Without planning no plan hook runs first: start from what is
+            # known now (the layer outputs bound a replay's demand from
+            # below, as planning's).
+            session.start_unless_planning(
+                lambda: session.start(
+                    session.smallest_limit,
+                    gradient_bytes(model),
+                    oom_explanation.layer_output_bytes(model),
+                )
             )
         options = dict(
             micro_batches=session.micro_batches,
@@ -228,13 +229,13 @@ class TfTrainingRun:
 
     def _plan_validation_batch(self, batch_size, sample_size, data):
         """The slices a validation batch runs in: never fewer than an error taught."""
-        self._validation.estimate_sample_bytes(
-            lambda: activations.traced_sample_bytes(self.model, data)
-        )
+        validation = self._validation
+        if validation.needs_sample_bytes:
+            validation.set_sample_bytes(activations.traced_sample_bytes(self.model, data))
         # Reading resets the peak: the batch's own peak is read after it.
         self._validation_before = self._in_use(self.session.read())
         self._validation_failed = False
-        planned = self._validation.plan(batch_size, sample_size, self._validation_before)
+        planned = validation.plan(batch_size, sample_size, self._validation_before)
         return max(planned, self.session.eval_micro_batches)
 
     def after_validation_batch(self):

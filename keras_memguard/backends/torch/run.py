@@ -174,10 +174,7 @@ class TorchTrainingRun:
                 messages.own_step_whole(type(model).__name__, "torch"), "torch"
             )
             whole_step = model.train_step
-        if not session.started:
-            session.react_where_unreadable()
-        if not session.started and not session.config.predictive:
-            self._start(None)
+        session.start_unless_planning(lambda: self._start(None))
         self.function = ReplayingTrainFunction(
             model,
             micro_batches=session.micro_batches,
