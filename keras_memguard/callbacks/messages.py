@@ -145,6 +145,14 @@ def memory_limit_unknown(devices, backend="tensorflow"):
             "JAX reports none on this device (a CPU keeps no memory "
             "statistics). HINT: pass `memory_limit=<bytes>` to MemoryGuard."
         )
+    if backend == "torch":
+        return start + (
+            "PyTorch reports none for host memory where this process has "
+            "neither a cgroup memory limit nor an address-space limit "
+            "(RLIMIT_AS). HINT: pass `memory_limit=<bytes>` to MemoryGuard; "
+            "on a GPU, torch.cuda.set_per_process_memory_fraction sets one "
+            "the guard reads."
+        )
     return start + (
         "HINT: pass `memory_limit=<bytes>` to MemoryGuard, configure a "
         "logical device with a `memory_limit` "

@@ -353,6 +353,26 @@ def test_a_guard_that_cannot_read_memory_trains_whole_batches(tmp_path, monkeypa
     assert len(told) == 1 and "keeps no memory statistics" in told[0], told
 
 
+def test_without_a_limit_on_the_host_the_guard_says_what_pytorch_takes(monkeypatch):
+    # A host with neither a cgroup memory limit nor RLIMIT_AS: the error
+    # named TensorFlow's allocator settings, which PyTorch does not read.
+    from keras_memguard.backends.torch import probe as torch_probe
+
+    monkeypatch.setattr(torch_probe, "_cgroup_limit_bytes", lambda: None)
+    monkeypatch.setattr(torch_probe, "_rlimit_as_bytes", lambda: None)
+    x, y = mlp_data(40)
+    model = make_recorded_mlp()
+    weights = model.get_weights()
+    with pytest.warns(UserWarning, match="no memory limit is known"):
+        with pytest.raises(keras_memguard.MemoryLimitUnknownError) as info:
+            model.fit(x, y, batch_size=20, verbose=0, callbacks=[keras_memguard.MemoryGuard()])
+    text = str(info.value)
+    assert "pass `memory_limit=<bytes>`" in text and "RLIMIT_AS" in text, text
+    assert "TF_CPU" not in text and "tf.config" not in text, text
+    for got, want in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(got, want)
+
+
 # --- TensorBoard, beside MemoryMonitor. ---
 
 
