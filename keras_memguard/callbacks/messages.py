@@ -220,6 +220,29 @@ def distributed_whole(class_name, distribution):
     )
 
 
+def eager_whole(class_name, why):
+    """The `WholeStep` of a JAX model whose step Keras runs without XLA.
+
+    `why`: the cause, as `support.eager_reason` gives it ("`jit_compile=False`",
+    "its layer 'random_rotation' (RandomRotation) does not support XLA").
+    """
+    if why.startswith("its layer"):
+        split_hint = (
+            "move that layer into the input pipeline (`dataset.map(...)`, as "
+            "keras.io does for augmentation) so that the step compiles with XLA"
+        )
+    else:
+        split_hint = "compile with Keras' defaults on JAX (`jit_compile=\"auto\"`)"
+    return WholeStep(
+        class_name,
+        "on Keras' JAX backend keras_memguard splits a step compiled with "
+        f"XLA, and Keras runs this model's without it ({why})",
+        "Keras' train step without XLA",
+        split_hint,
+        f"pass a smaller `batch_size` to `fit`, or {split_hint}",
+    )
+
+
 def ragged_on_xla(class_name):
     """The `WholeStep` of a model fed ragged tensors, its step compiled with XLA."""
     split_hint = (

@@ -646,6 +646,78 @@ def test_an_own_train_step_out_of_memory_is_named_and_micro_batches_are_refused(
     assert_weights_kept_a_split_refused_and_it_trains_on(model, before, x, y, guard, "half_loss")
 
 
+def make_augmented_cnn():
+    # keras.io's image classification from scratch: augmentation inside the
+    # model. RandomRotation does not support XLA, so Keras resolves
+    # `jit_compile` to False and runs the step eagerly.
+    inputs = keras.Input((12, 12, 3))
+    hidden = keras.layers.RandomFlip("horizontal")(inputs)
+    hidden = keras.layers.RandomRotation(0.1, name="rotate")(hidden)
+    hidden = keras.layers.Conv2D(4, 3, activation="relu")(hidden)
+    hidden = keras.layers.GlobalAveragePooling2D()(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def test_a_step_keras_runs_without_xla_trains_whole_batches_as_plain_fit(caplog):
+    # It used to be refused at fit's start ("must not run eagerly", with a
+    # hint to compile with the defaults the user had compiled with), where
+    # plain fit trains it.
+    rng = np.random.default_rng(0)
+    x = rng.random((48, 12, 12, 3)).astype("float32")
+    y = rng.integers(0, 3, 48)
+    plain, model = twins(make_augmented_cnn)
+    assert model.jit_compile is False
+    keras.utils.set_random_seed(1)
+    expected = plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan_cache=False)
+    keras.utils.set_random_seed(1)
+    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
+        history = model.fit(
+            x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[guard]
+        ).history
+        evaluated = model.evaluate(x, y, batch_size=24, verbose=0, callbacks=[guard])
+        predicted = model.predict(x, batch_size=24, verbose=0, callbacks=[guard])
+    assert history["micro_batches"] == [1, 1], history
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-6)
+    assert max_weight_difference(model, plain) < 1e-6
+    assert evaluated == pytest.approx(plain.evaluate(x, y, batch_size=24, verbose=0), rel=1e-6)
+    np.testing.assert_allclose(predicted, plain.predict(x, batch_size=24, verbose=0), rtol=1e-5)
+    told = [r.getMessage() for r in caplog.records if "whole" in r.getMessage()]
+    assert len(told) == 1 and "layer 'rotate' (RandomRotation) does not support XLA" in told[0], told
+    assert "input pipeline" in told[0], told
+    with pytest.raises(UnsupportedTrainingSetupError, match="Received: micro_batches=4"):
+        model.fit(x, y, batch_size=16, verbose=0, callbacks=[
+            keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
+        ])
+
+
+@pytest.mark.parametrize(
+    "compile_kwargs, named",
+    [({"run_eagerly": True}, "`run_eagerly=True`"), ({"jit_compile": False}, "`jit_compile=False`")],
+)
+def test_a_model_compiled_to_run_eagerly_trains_whole_batches(compile_kwargs, named, caplog):
+    x, y = mlp_data()
+
+    def build():
+        model = make_mlp()
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", **compile_kwargs)
+        return model
+
+    plain, model = twins(build)
+    plain.fit(x, y, batch_size=20, epochs=1, shuffle=False, verbose=0)
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan_cache=False)
+    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
+        history = model.fit(
+            x, y, batch_size=20, epochs=1, shuffle=False, verbose=0, callbacks=[guard]
+        ).history
+    assert history["micro_batches"] == [1]
+    assert max_weight_difference(model, plain) < 1e-6
+    told = [r.getMessage() for r in caplog.records if "whole" in r.getMessage()]
+    assert len(told) == 1 and named in told[0] and "jit_compile=\"auto\"" in told[0], told
+
+
 def test_the_mixin_refuses_an_own_train_step_it_would_have_replaced():
     # At two micro-batches the mixin used to run Keras' step in its place.
     class Own(keras_memguard.MemGuardMixin, OwnStepSequential):

@@ -1,8 +1,10 @@
 """`MemoryGuard` on Keras' JAX backend: the glue for one `fit`, `evaluate` or `predict`.
 
-A model whose class has a `train_step` of its own, or any model under
-`keras.distribution` (the micro-batched step is compiled for one device),
-trains each batch whole through Keras' own train function
+A model whose class has a `train_step` of its own, a model Keras runs
+without XLA (`run_eagerly=True`, `jit_compile=False`, or a layer such as
+`RandomRotation` that does not support XLA), or any model under
+`keras.distribution` (the micro-batched step is compiled with XLA for one
+device), trains each batch whole through Keras' own train function
 (`WholeTrainFunction`), as in plain `fit`: the guard reads memory around
 it and names that step when a batch runs out of memory. Otherwise the
 guard trains through the JAX training core
@@ -55,6 +57,7 @@ from keras_memguard.backends.jax.replay import is_out_of_memory
 from keras_memguard.backends.jax.step import batch_size_of
 from keras_memguard.backends.jax.support import check_supported
 from keras_memguard.backends.jax.support import distribution_text
+from keras_memguard.backends.jax.support import eager_reason
 
 logger = logging.getLogger("keras_memguard")
 
@@ -154,9 +157,13 @@ class JaxTrainingRun:
         check_supported(model)
         whole = None
         distributed = distribution_text()
+        eager = eager_reason(model)
         if compat.overrides_train_step(model):
             # A step of the model's own: nothing in it can be split.
             whole = messages.own_step_whole(type(model).__name__, "jax")
+        elif eager is not None:
+            # The micro-batched step is compiled with XLA; Keras' runs without.
+            whole = messages.eager_whole(type(model).__name__, eager)
         elif distributed is not None:
             # The micro-batched step is compiled for one device.
             whole = messages.distributed_whole(type(model).__name__, distributed)
@@ -386,12 +393,12 @@ class JaxInferenceRun:
     def begin(self):
         """Installs the sliced function in place of Keras' own.
 
-        Under `keras.distribution` Keras' own function runs each batch
-        whole, as in plain `evaluate`: the sliced one is compiled for one
-        device.
+        Under `keras.distribution`, or where Keras runs the model without
+        XLA, Keras' own function runs each batch whole, as in plain
+        `evaluate`: the sliced one is compiled with XLA for one device.
         """
         check_supported(self.model)
-        if distribution_text() is not None:
+        if distribution_text() is not None or eager_reason(self.model) is not None:
             return
         self._previous = shared.install_inference_function(
             self.model, self.kind, self.function

@@ -5,7 +5,7 @@ from keras_memguard.backends import compat
 
 
 def unsupported_reason(model):
-    """Why the micro-batched JAX step cannot train `model`, or `None`.
+    """Why the guard cannot watch `model`'s JAX training at all, or `None`.
 
     Args:
         model: A compiled Keras model.
@@ -21,16 +21,38 @@ def unsupported_reason(model):
             f"Received: backend={keras.backend.backend()!r}. "
             "HINT: set KERAS_BACKEND=jax before importing Keras."
         )
-    if model.run_eagerly or not model.jit_compile:
-        return (
-            "The micro-batched JAX step is compiled with XLA, so the model "
-            "must not run eagerly. Received: "
-            f"run_eagerly={model.run_eagerly!r}, jit_compile={model.jit_compile!r}. "
-            "HINT: compile with Keras' defaults on JAX (`jit_compile=True` "
-            "or `\"auto\"`, `run_eagerly=False`); the guard's step is then "
-            "the compiled one `fit` would run."
-        )
     return None
+
+
+def eager_reason(model):
+    """Why Keras runs `model`'s step without XLA, or `None`.
+
+    The micro-batched step is compiled with XLA and planned from XLA's own
+    analysis; a model Keras runs eagerly (`run_eagerly=True`,
+    `jit_compile=False`, or a layer without XLA support, such as
+    `RandomRotation` or `RandomZoom`, which makes `jit_compile="auto"`
+    and `True` resolve to `False`) trains its batches whole instead, as
+    in plain `fit`.
+
+    Args:
+        model: A compiled Keras model.
+
+    Returns:
+        The cause in a few words ("`jit_compile=False`", "its layer
+        'random_rotation' (RandomRotation) does not support XLA"), or
+        `None` where the step is compiled.
+    """
+    if model.run_eagerly:
+        return "`run_eagerly=True`"
+    if model.jit_compile:
+        return None
+    for layer in compat.all_layers(model):
+        if not getattr(layer, "supports_jit", True):
+            return (
+                f"its layer {layer.name!r} ({type(layer).__name__}) does not "
+                "support XLA"
+            )
+    return "`jit_compile=False`"
 
 
 def distribution_text():
