@@ -96,6 +96,64 @@ def failing_step(compiled, failing_counts, runs):
     return patched
 
 
+def make_sparse_text_mlp():
+    # A bag of words straight from scikit-learn's vectorizers: a
+    # `scipy.sparse` matrix, which Keras turns into a `BCOO` on JAX.
+    model = keras.Sequential([
+        keras.Input((300,), sparse=True),
+        keras.layers.Dense(512, activation="relu"),
+        keras.layers.Dense(512, activation="relu"),
+        keras.layers.Dense(4),
+    ])
+    model.compile(
+        optimizer="sgd",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def test_a_sparse_input_is_split_by_its_rows_and_trains_as_plain_fit(recwarn):
+    # A sparse batch used to be split by its stored elements: the batch
+    # size read from them, a split step that failed to reshape them
+    # (TypeError), and a false warning that the loss couples the samples.
+    import scipy.sparse
+    from jax.experimental import sparse as jax_sparse
+
+    # 15 words in each row: every batch stores as many elements, so each
+    # batch shape compiles once.
+    rng = np.random.default_rng(0)
+    columns = np.stack([rng.choice(300, 15, replace=False) for _ in range(2048)])
+    x = scipy.sparse.csr_matrix(
+        (rng.random(columns.size, dtype=np.float32), columns.ravel(), np.arange(0, columns.size + 1, 15)),
+        shape=(2048, 300),
+    )
+    y = rng.integers(0, 4, 2048)
+    batch = 1024
+    model = make_sparse_text_mlp()
+    first = (jax_sparse.BCOO.from_scipy_sparse(x[:batch]), y[:batch])
+    symbolic_build(model, spec_of(first))
+    need = StepCache(model).memory(1, spec_of(jax_state(model)), spec_of(first))
+    fixed = need.argument_bytes + need.output_bytes
+    limit = int((fixed + need.temp_bytes / 3) / 0.9)
+    assert need.need_bytes > 0.9 * limit
+
+    fit = dict(batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    plain, guarded = twins(make_sparse_text_mlp)
+    expected = plain.fit(x, y, **fit).history
+    guard = keras_memguard.MemoryGuard(memory_limit=limit, plan_cache=False)
+    history = guarded.fit(x, y, callbacks=[guard], **fit).history
+    assert 1 < guard.micro_batches < batch and guard.oom_recoveries == 0
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-5)
+    np.testing.assert_allclose(history["accuracy"], expected["accuracy"], rtol=1e-6)
+    assert max_weight_difference(guarded, plain) < 1e-5
+    assert not [w for w in recwarn if "add up to" in str(w.message)]
+    # Predicted in slices (as `evaluate` slices), by rows.
+    slicing = keras_memguard.MemoryGuard(memory_limit=limit // 4, plan_cache=False)
+    predicted = guarded.predict(x, batch_size=2048, verbose=0, callbacks=[slicing])
+    np.testing.assert_allclose(predicted, plain.predict(x, batch_size=2048, verbose=0), atol=1e-5)
+
+
 def test_the_monitor_logs_host_memory_and_says_once_the_device_has_no_statistics(
     tmp_path, caplog, monkeypatch
 ):

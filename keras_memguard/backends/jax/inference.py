@@ -27,11 +27,8 @@ from keras_memguard.backends.jax.replay import failed_allocation_bytes
 from keras_memguard.backends.jax.replay import is_out_of_memory
 from keras_memguard.backends.jax.replay import StepOutOfMemory
 from keras_memguard.backends.jax.step import batch_size_of
+from keras_memguard.backends.jax.step import rows
 from keras_memguard.backends import compat
-
-
-def _slice(data, start, stop):
-    return jax.tree_util.tree_map(lambda a: a[start:stop], data)
 
 
 def double_slices(failure):
@@ -83,7 +80,7 @@ class _SlicedFunction:
             A `StepMemory`, or `None` when the backend gives no analysis.
         """
         size = -(-batch_size_of(data) // micro_batches)
-        return step_memory(self._executable(state, _slice(data, 0, size)), micro_batches)
+        return step_memory(self._executable(state, rows(data, 0, size)), micro_batches)
 
     def _slices(self, state, data, on_slice):
         """Runs `data` slice by slice; `on_slice(result)` gets each result."""
@@ -97,7 +94,7 @@ class _SlicedFunction:
         while start < batch_size:
             k = min(self.micro_batches, batch_size)
             stop = min(batch_size, start + -(-batch_size // k))
-            piece = _slice(data, start, stop)
+            piece = rows(data, start, stop - start)
             try:
                 # Waited for: on a GPU an allocation that fails shows only
                 # when a result is read (XLA runs asynchronously).

@@ -27,17 +27,46 @@ layers that use batch statistics (`BatchNormalization` normalizes each
 micro-batch by its own moments and updates its moving statistics once per
 micro-batch), and several loss terms of which some average over a mask
 (weighted by the samples, with a warning).
+
+A sparse input (`jax.experimental.sparse.BCOO`, what Keras makes of a
+`scipy.sparse` matrix) reaches each micro-batch as its rows made dense: a
+slice of a sparse array keeps every element the whole batch stores (its
+size is static under `jit`), so the products of a micro-batch's slice
+would be as large as the whole batch's, in each of the `k` micro-batches.
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import sparse as jax_sparse
 
 from keras_memguard.backends.shared import micro_batch_segments
 from keras_memguard.backends.shared import warn_masked_loss_terms_once
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.backends import compat
+
+
+def is_sparse(value):
+    """Whether `value` is a JAX sparse array (a `BCOO`): one leaf, not its parts."""
+    return isinstance(value, jax_sparse.JAXSparse)
+
+
+def rows(tree, start, size):
+    """Rows `start:start + size` of every array of `tree`, a sparse one's made dense.
+
+    `start` may be traced (a loop's index); `size` is static.
+    """
+
+    def cut(a):
+        if is_sparse(a):
+            zeros = (0,) * (a.ndim - 1)
+            return jax_sparse.bcoo_dynamic_slice(
+                a, (start,) + zeros, (size,) + tuple(a.shape[1:])
+            ).todense()
+        return jax.lax.dynamic_slice_in_dim(a, start, size)
+
+    return jax.tree_util.tree_map(cut, tree, is_leaf=is_sparse)
 
 
 def batch_size_of(data):
@@ -54,7 +83,7 @@ def batch_size_of(data):
         ValueError: If the batch holds no array with a first dimension.
     """
     x, _, _ = compat.unpack_data(data)
-    for leaf in jax.tree_util.tree_leaves(x):
+    for leaf in jax.tree_util.tree_leaves(x, is_leaf=is_sparse):
         shape = getattr(leaf, "shape", ())
         if shape:
             return int(shape[0])
@@ -162,9 +191,19 @@ def micro_batch_train_step(model, state, data, micro_batches):
         jnp.zeros((2,), "float32"),
     )
     predictions = []
+    batch = (x, y, sample_weight)
+    sparse = any(is_sparse(leaf) for leaf in jax.tree_util.tree_leaves(batch, is_leaf=is_sparse))
     for start, count, size in micro_batch_segments(batch_size, micro_batches):
-        parts = _stacked((x, y, sample_weight), start, count, size)
         body = functools.partial(run, share=size / batch_size)
+        if sparse:
+            # Each micro-batch's rows cut out inside the loop, by its index.
+            def sliced(carry, index, start=start, size=size, body=body):
+                return body(carry, rows(batch, start + index * size, size))
+
+            carry, y_pred = jax.lax.scan(sliced, carry, jnp.arange(count))
+            predictions.append((y_pred, size, True))
+            continue
+        parts = _stacked(batch, start, count, size)
         if count == 1:
             carry, y_pred = body(carry, jax.tree_util.tree_map(lambda a: a[0], parts))
             predictions.append((y_pred, size, False))
