@@ -196,3 +196,33 @@ def assert_weights_kept_a_split_refused_and_it_trains_on(model, before, x, y, gu
     model.make_train_function(force=True)
     history = model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[guard]).history
     assert history["micro_batches"] == [1] and np.isfinite(history[loss_key][0]), history
+
+
+def assert_guarded_whole_as_plain(plain, model, x, y, caplog, fit_kwargs, eval_batch, **extra):
+    """Fits, evaluates and predicts `model` under a default guard beside
+    `plain`, fitted the same way first; asserts whole batches and results
+    equal to plain Keras'. Returns the guard's WARNING messages.
+
+    `extra`: more `fit` arguments for the guarded fit only (its
+    `validation_data`).
+    """
+    import logging
+
+    import pytest
+
+    import keras_memguard
+
+    keras.utils.set_random_seed(1)
+    expected = plain.fit(x, y, **fit_kwargs).history
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan_cache=False)
+    keras.utils.set_random_seed(1)
+    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
+        history = model.fit(x, y, callbacks=[guard], **fit_kwargs, **extra).history
+        evaluated = model.evaluate(x, y, batch_size=eval_batch, verbose=0, callbacks=[guard])
+        predicted = model.predict(x, batch_size=eval_batch, verbose=0, callbacks=[guard])
+    assert history["micro_batches"] == [1] * fit_kwargs["epochs"], history
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-6)
+    assert max_weight_difference(plain, model) < 1e-6
+    assert evaluated == pytest.approx(plain.evaluate(x, y, batch_size=eval_batch, verbose=0), rel=1e-6)
+    np.testing.assert_allclose(predicted, plain.predict(x, batch_size=eval_batch, verbose=0), atol=1e-6)
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]

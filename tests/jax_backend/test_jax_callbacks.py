@@ -21,6 +21,7 @@ import keras_memguard
 from split_cases import assert_only_the_coupled_loss_is_warned_about
 from split_cases import assert_summed_loss_evaluates_as_unsliced
 from split_cases import test_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings  # noqa: F401
+from jax_models import assert_guarded_whole_as_plain
 from jax_models import assert_weights_kept_a_split_refused_and_it_trains_on
 from jax_models import make_mlp
 from jax_models import make_wide_mlp
@@ -727,22 +728,10 @@ def test_a_step_keras_runs_without_xla_trains_whole_batches_as_plain_fit(caplog)
     y = rng.integers(0, 3, 48)
     plain, model = twins(make_augmented_cnn)
     assert model.jit_compile is False
-    keras.utils.set_random_seed(1)
-    expected = plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
-    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan_cache=False)
-    keras.utils.set_random_seed(1)
-    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
-        history = model.fit(
-            x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[guard]
-        ).history
-        evaluated = model.evaluate(x, y, batch_size=24, verbose=0, callbacks=[guard])
-        predicted = model.predict(x, batch_size=24, verbose=0, callbacks=[guard])
-    assert history["micro_batches"] == [1, 1], history
-    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-6)
-    assert max_weight_difference(model, plain) < 1e-6
-    assert evaluated == pytest.approx(plain.evaluate(x, y, batch_size=24, verbose=0), rel=1e-6)
-    np.testing.assert_allclose(predicted, plain.predict(x, batch_size=24, verbose=0), rtol=1e-5)
-    told = [r.getMessage() for r in caplog.records if "whole" in r.getMessage()]
+    warned = assert_guarded_whole_as_plain(
+        plain, model, x, y, caplog, dict(batch_size=16, epochs=2, shuffle=False, verbose=0), 24
+    )
+    told = [message for message in warned if "whole" in message]
     assert len(told) == 1 and "layer 'rotate' (RandomRotation) does not support XLA" in told[0], told
     assert "input pipeline" in told[0], told
     with pytest.raises(UnsupportedTrainingSetupError, match="Received: micro_batches=4"):

@@ -15,6 +15,7 @@ import pytest
 import keras
 
 import keras_memguard
+from jax_models import assert_guarded_whole_as_plain
 from jax_models import assert_weights_kept_a_split_refused_and_it_trains_on
 from jax_models import make_mlp
 from jax_models import max_weight_difference
@@ -63,21 +64,11 @@ def make_failing_mlp():
 def test_a_guarded_fit_trains_whole_batches_as_plain_fit(data_parallel, caplog):
     x, y = mlp_data()
     plain, model = twins(make_mlp)
-    expected = plain.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0).history
-    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan_cache=False)
-    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
-        history = model.fit(
-            x, y, batch_size=20, epochs=2, shuffle=False, verbose=0,
-            validation_data=(x, y), callbacks=[guard],
-        ).history
-        evaluated = model.evaluate(x, y, batch_size=50, verbose=0, callbacks=[guard])
-        predicted = model.predict(x, batch_size=50, verbose=0, callbacks=[guard])
-    assert history["micro_batches"] == [1, 1], history
-    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-6)
-    assert max_weight_difference(model, plain) < 1e-6
-    assert evaluated == pytest.approx(plain.evaluate(x, y, batch_size=50, verbose=0), rel=1e-6)
-    np.testing.assert_allclose(predicted, plain.predict(x, batch_size=50, verbose=0), atol=1e-6)
-    told = [r.getMessage() for r in caplog.records if "trains the batches of" in r.getMessage()]
+    warned = assert_guarded_whole_as_plain(
+        plain, model, x, y, caplog, dict(batch_size=20, epochs=2, shuffle=False, verbose=0), 50,
+        validation_data=(x, y),
+    )
+    told = [message for message in warned if "trains the batches of" in message]
     assert len(told) == 1 and WHERE in told[0] and "train on one device" in told[0], told
 
 
