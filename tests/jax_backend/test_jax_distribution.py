@@ -6,7 +6,6 @@ batches; it used to refuse such a `fit`, and the mixin failed inside JAX
 with a sharding mismatch. Two CPU devices (tests/jax_backend/conftest.py).
 """
 
-import logging
 
 import jax
 import numpy as np
