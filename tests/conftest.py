@@ -34,11 +34,14 @@ import pytest  # noqa: E402
 
 # With MEMGUARD_TEST_SUBSET=floor (the floor ends in `.ci/run`, TensorFlow's
 # and PyTorch's), the slow tests run only from these files: the training
-# core, the guard, the mixin, the replay, inference and the profiler, where
-# Keras' and the frameworks' internals differ by version. The finder, the
-# advice, the examples, the benchmarks' smoke runs, the growth checks, the
-# planning figures and the user models run at the newest end; the fast
-# tests run at both.
+# core, the guard, the mixin, the replay, inference, the profiler and
+# MirroredStrategy, where Keras' and the frameworks' internals differ by
+# version, and of the two-worker strategy the one test in
+# FLOOR_SLOW_TESTS (its workers agree through TensorFlow's collectives;
+# their replays are MirroredStrategy's). The finder, the advice, the
+# examples, the benchmarks' smoke runs, the growth checks, the planning
+# figures and the user models run at the newest end; the fast tests run at
+# both.
 FLOOR_SLOW_FILES = frozenset(
     (
         "test_bad_input.py",
@@ -49,7 +52,6 @@ FLOOR_SLOW_FILES = frozenset(
         "test_micro_batch.py",
         "test_mirrored.py",
         "test_monitor.py",
-        "test_multi_worker.py",
         "test_own_train_step.py",
         "test_profile_spikes.py",
         "test_remat.py",
@@ -58,6 +60,9 @@ FLOOR_SLOW_FILES = frozenset(
         "test_torch_replay.py",
         "test_torch_step.py",
     )
+)
+FLOOR_SLOW_TESTS = frozenset(
+    ("test_multi_worker.py::test_workers_agree_on_micro_batches_and_train_as_one_batch",)
 )
 
 
@@ -76,7 +81,10 @@ def pytest_collection_modifyitems(config, items):
         return
     kept, left_out = [], []
     for item in items:
-        if _is_slow(item) and item.path.name not in FLOOR_SLOW_FILES:
+        if _is_slow(item) and not (
+            item.path.name in FLOOR_SLOW_FILES
+            or f"{item.path.name}::{item.name}" in FLOOR_SLOW_TESTS
+        ):
             left_out.append(item)
         else:
             kept.append(item)
