@@ -40,7 +40,10 @@ instead of trying again.
 **Steady counts.** Per batch shape (size and sample size) the decider
 remembers the count it ran with. It raises `k` at once when the batch is
 predicted not to fit; it lowers `k` only to a count predicted to fit with
-`HYSTERESIS` of the limit to spare, so a usage hovering near the threshold
+`HYSTERESIS` of the limit to spare, or one count down where that count's
+own peak backs it (a count never run here is tried on one batch where it
+is predicted `TRIAL_BAND` under the target, and kept while its highest
+peak stays under the target), so a usage hovering near the threshold
 cannot make `k` flap, and batches of other sizes do not re-plan the shape.
 It does not raise `k` above the count the shape ran with while the batches
 measured at that count peaked under the target, and under the midpoint of
@@ -114,6 +117,9 @@ MAX_FAILURES = 4
 MAX_SHAPES = 16
 # A plan that lowers `k` aims this share of the limit under the target.
 HYSTERESIS = 0.04
+# A lower count never measured is tried where it is predicted this share
+# of the limit under the target (`_lower_measured`).
+TRIAL_BAND = 0.02
 # A held count whose batches peaked at most this share of the limit past
 # the target stays held where more micro-batches would save under
 # `HYSTERESIS`: a batch a little above the others, not a step that grew.
@@ -908,7 +914,8 @@ def plan(config, state, batch):
             usage = _usage(state, batch._replace(in_use_bytes=in_use), probe)
             return Plan(probe, previous, usage, SMALLER), _remember(state, shape, probe)
     if ran_with is not None and k < ran_with:
-        # Lower only to a count that fits with the band to spare.
+        # Lower only to a count that fits with the band to spare, or one
+        # count down that its own peak decides (`_lower_measured`).
         calm, _ = _count_for(
             config,
             state,
@@ -916,7 +923,13 @@ def plan(config, state, batch):
             batch.sample_size,
             target - HYSTERESIS * batch.limit_bytes - in_use,
         )
-        k = min(ran_with, max(k, calm))
+        lowered = min(ran_with, max(k, calm))
+        step_down = max(k, ran_with - 1)
+        if step_down < lowered and _lower_measured(
+            config, state, batch._replace(in_use_bytes=in_use), step_down
+        ):
+            lowered = step_down
+        k = lowered
     measured = None
     if ran_with is not None and k > ran_with:
         measured = _measured_usage(
@@ -946,6 +959,30 @@ def plan(config, state, batch):
             f"under target {_percent(config.threshold)}"
         )
     return Plan(k, previous, predicted, why), _remember(state, shape, k)
+
+
+def _lower_measured(config, state, batch, k):
+    """Whether the lower count `k` may be taken with half the band to spare.
+
+    Where `k`'s micro-batch never ran here (no peak, no failure at or below
+    its work) and is predicted to peak `TRIAL_BAND` of the limit under the
+    target, one batch tries it, and its peak decides from then on: taken
+    again only while its highest peak, with however much more memory is in
+    use now than before it, stays under the target. A count whose batches
+    once peaked past the target needs the whole band again, so a usage
+    that hovers at the target cannot make the count flap.
+    """
+    work = -(-batch.batch_size // k) * batch.sample_size
+    if any(failed <= work for failed, _ in state.failures):
+        return False
+    limit = batch.limit_bytes
+    target = config.threshold * limit
+    entry = next((entry for entry in state.peaks if entry[0] == work), None)
+    if entry is None:
+        usage = _usage(state, batch, k)
+        return usage is not None and usage * limit < target - TRIAL_BAND * limit
+    _, peak, before, _ = entry
+    return peak + max(0.0, batch.in_use_bytes - before) < target
 
 
 def _measured_usage(config, state, batch, k, raised_to):
