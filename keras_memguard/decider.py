@@ -962,7 +962,7 @@ def plan(config, state, batch):
 
 
 def _lower_measured(config, state, batch, k):
-    """Whether the lower count `k` may be taken with half the band to spare.
+    """Whether the lower count `k` may be taken with `TRIAL_BAND` to spare.
 
     Where `k`'s micro-batch never ran here (no peak, no failure at or below
     its work) and is predicted to peak `TRIAL_BAND` of the limit under the
@@ -972,17 +972,25 @@ def _lower_measured(config, state, batch, k):
     once peaked past the target needs the whole band again, so a usage
     that hovers at the target cannot make the count flap.
     """
-    work = -(-batch.batch_size // k) * batch.sample_size
-    if any(failed <= work for failed, _ in state.failures):
+    entry, failed = _peak_at(state, batch, k)
+    if failed:
         return False
     limit = batch.limit_bytes
     target = config.threshold * limit
-    entry = next((entry for entry in state.peaks if entry[0] == work), None)
     if entry is None:
         usage = _usage(state, batch, k)
         return usage is not None and usage * limit < target - TRIAL_BAND * limit
     _, peak, before, _ = entry
     return peak + max(0.0, batch.in_use_bytes - before) < target
+
+
+def _peak_at(state, batch, k):
+    """`(entry, failed)` for `k` micro-batches of this batch: the entry of
+    `state.peaks` measured at that micro-batch's work (or `None`), and
+    whether a micro-batch of at most that work ran out of memory."""
+    work = -(-batch.batch_size // k) * batch.sample_size
+    entry = next((entry for entry in state.peaks if entry[0] == work), None)
+    return entry, any(failed <= work for failed, _ in state.failures)
 
 
 def _measured_usage(config, state, batch, k, raised_to):
@@ -1014,9 +1022,8 @@ def _measured_usage(config, state, batch, k, raised_to):
     """
     if batch.in_use_bytes is None:
         return None
-    work = -(-batch.batch_size // k) * batch.sample_size
-    entry = next((entry for entry in state.peaks if entry[0] == work), None)
-    if entry is None or any(failed <= work for failed, _ in state.failures):
+    entry, failed = _peak_at(state, batch, k)
+    if entry is None or failed:
         return None
     _, peak, before, after = entry
     limit = batch.limit_bytes
