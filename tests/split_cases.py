@@ -9,6 +9,7 @@ import pickle
 
 import keras
 import numpy as np
+import pytest
 
 import keras_memguard
 
@@ -638,10 +639,12 @@ def test_several_masked_loss_terms_are_warned_about_once(recwarn):
     assert_several_masked_loss_terms_are_warned_about_once(recwarn)
 
 
+@pytest.mark.slow
 def test_masked_losses_train_as_plain_fit():
     assert_masked_losses_train_as_plain_fit()
 
 
+@pytest.mark.slow
 def test_a_masked_sequence_loss_is_not_called_one_over_the_whole_batch(recwarn):
     assert_a_masked_sequence_loss_is_not_called_one_over_the_whole_batch(recwarn)
 
@@ -671,6 +674,7 @@ def test_an_output_without_a_batch_dimension_trains_as_plain_fit():
     assert_an_output_without_a_batch_dimension_trains_as_plain_fit()
 
 
+@pytest.mark.slow
 def test_variables_the_forward_pass_writes_are_named_at_a_split(recwarn):
     # SpectralNormalization trained 0.13 (TensorFlow), 0.034 (JAX) and 0.36
     # (PyTorch) from plain `fit` at k=4, with nothing said.

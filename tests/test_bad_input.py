@@ -250,6 +250,7 @@ def stateful_lstm(seed=0):
     return model, x, x[:, -1, :1]
 
 
+@pytest.mark.slow
 def test_a_stateful_rnn_trains_evaluates_and_predicts_whole_batches_as_plain_keras(caplog):
     # A guard that plans splits the first batch it knows nothing about: a
     # stateful layer then refused the micro-batch (ValueError) where plain

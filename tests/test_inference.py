@@ -146,6 +146,7 @@ class CountsCalls(keras.Model):
         return self.out(self.hidden(self.inputs_layer(x)))
 
 
+@pytest.mark.slow
 def test_a_first_batch_that_fits_is_evaluated_and_predicted_whole_where_shapes_tell_nothing():
     # Before any batch is measured, the slices come from one sample's layer
     # outputs; a subclassed model, or tokens of any length, tell none in

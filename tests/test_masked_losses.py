@@ -186,5 +186,6 @@ def test_metric_functions_of_the_users_read_as_in_plain_fit():
     assert_metric_functions_read_as_plain_fit()
 
 
+@pytest.mark.slow
 def test_an_output_without_a_batch_dimension_trains_as_plain_fit_with_xla():
     assert_an_output_without_a_batch_dimension_trains_as_plain_fit(jit_compile=True)

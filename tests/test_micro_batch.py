@@ -216,6 +216,7 @@ def test_accumulate_matches_full_batch(micro_batches, weighted_reference):
     assert int(model.optimizer.iterations) == STEPS
 
 
+@pytest.mark.slow
 def test_a_model_that_fits_trains_as_plain_fit_under_a_default_guard(recwarn):
     assert_a_model_that_fits_trains_as_plain_fit(recwarn)
 

@@ -74,6 +74,7 @@ def test_the_micro_batch_loop_holds_no_padded_copy_of_the_batch():
     assert split.demand_bytes < batch_bytes / 2, split
 
 
+@pytest.mark.slow
 def test_more_micro_batches_never_need_more_memory_on_xla():
     # Activations beside small weights. XLA inlines a loop it can count to
     # one iteration and runs that micro-batch beside the first, both alive:
