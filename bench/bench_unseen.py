@@ -12,7 +12,8 @@ the cap reserved as one region; `--xla on` compiles the step with XLA, as
    again from the cache it left, and from another empty cache with the CPU
    shared by two busy processes. Reported: out-of-memory errors, crashes (the process did not
    end cleanly or `fit` raised), whether every batch of every run ended,
-   and the micro-batch size each settled on.
+   and the micro-batch size each settled on; `--json` also keeps each
+   batch's count, the memory in use before it and its peak.
 3. `fixed`: the best fixed count: from the first run's settled count down
    (one count per micro-batch size, the smallest that splits the batch
    so), `MemoryGuard(plan=False, micro_batches=k, cooldown=10**9)` for
@@ -462,9 +463,27 @@ def child(spec):
         def on_train_batch_end(self, step, logs=None):
             peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] / MIB)
 
+    # Each batch's peak and the memory in use before it, as the monitor
+    # read them: which batch passed the threshold, and what was held then.
+    batch_log = []
+
+    class BatchLog(keras.callbacks.Callback):
+        def on_train_batch_begin(self, step, logs=None):
+            self.before = tf.config.experimental.get_memory_info("CPU:0")["current"] / MIB
+
+        def on_train_batch_end(self, step, logs=None):
+            peak = (logs or {}).get("memory_peak_mib")
+            batch_log.append([
+                counts[-1] if counts else None,
+                round(self.before, 1),
+                None if peak is None else round(float(peak), 1),
+            ])
+
     # With a guard, its reader's peaks (MemoryMonitor's): the guard resets
     # the allocator's peak inside the step, before other callbacks run.
-    callbacks = [Peaks(), Counts()] + ([keras_memguard.MemoryMonitor(), guard] if guard else [])
+    callbacks = [Peaks(), Counts()] + (
+        [keras_memguard.MemoryMonitor(), guard, BatchLog()] if guard else []
+    )
     start = time.perf_counter()
     try:
         history = model.fit(
@@ -481,6 +500,8 @@ def child(spec):
         "trained": True,
         "peak_mib": max(peaks) if peaks else None,
         "counts": counts,
+        # [count, MiB in use before the batch, the batch's peak MiB]
+        "batch_log": batch_log,
         "ooms": guard.oom_recoveries if guard else 0,
         "batches": len(counts),
         "seconds": time.perf_counter() - start,
