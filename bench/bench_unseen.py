@@ -21,8 +21,11 @@ the cap reserved as one region; `--xla on` compiles the step with XLA, as
    above the guard's threshold (90%) or (on XLA) the guard had to raise
    the count; a count is clean when it ran clean in each of
    `EDGE_REPEATS` processes (two at a time): a step's peak at one count
-   moves from process to process by more than a sample adds near the top.
-   The smallest count clean under it is the best. Reported: settled
+   moves from process to process by more than a sample adds near the top;
+   and not clean where a guarded run's batch at that micro-batch size
+   peaked above the threshold with no more memory in use before it than
+   the fixed runs held (a peak that jumps on some batches comes in only
+   some processes). The smallest count clean under it is the best. Reported: settled
    micro-batch / best micro-batch, first run and cached.
 4. `finder`: `find_batch_size` on the same numpy input, then plain `fit`
    at its answer; where the answer trains, the largest batch plain `fit`
@@ -584,7 +587,7 @@ def measure(name, xla, parts, share, report):
             # The smallest count with this micro-batch size: the counts
             # between two sizes split the batch the same way.
             k = math.ceil(batch / math.ceil(batch / k))
-            if not clean_every_time(base, cap, k):
+            if not clean_every_time(base, cap, k, row.get("guard", ())):
                 break
             best, k = k, k - 1
         if best:
@@ -605,14 +608,18 @@ def measure(name, xla, parts, share, report):
     return row
 
 
-def clean_every_time(base, cap, k):
+def clean_every_time(base, cap, k, guarded=()):
     """Whether a fixed count `k` runs clean under the threshold in each of
     `EDGE_REPEATS` fresh processes: every batch at `k`, no error, every
-    peak at most `THRESHOLD` of `cap`."""
+    peak at most `THRESHOLD` of `cap`; and no batch of the `guarded` runs
+    at `k`'s micro-batch size peaked above it with no more memory in use
+    before it than a fixed run had (a step whose peak jumps on some
+    batches shows it in only some processes: section "The U-Net's 0.73,
+    batch by batch")."""
     spec = {**base, "run": "fixed", "k": k, "epochs": FIXED_EPOCHS}
     with ThreadPoolExecutor(2) as pool:
         runs = list(pool.map(lambda _: run_child(spec, cap), range(EDGE_REPEATS)))
-    return all(
+    clean = all(
         # On XLA the guard raises a count the compiled program shows does
         # not fit, even with plan=False: such a run is not at k.
         run.get("trained") and run.get("ooms") == 0
@@ -620,6 +627,21 @@ def clean_every_time(base, cap, k):
         and run.get("peak_mib") is not None
         and run["peak_mib"] <= THRESHOLD * cap
         for run in runs
+    )
+    if not clean:
+        return False
+    batch = MODELS[base["model"]]
+    held = max(
+        (before for run in runs for _, before, _ in run.get("batch_log") or ()),
+        default=None,
+    )
+    return not any(
+        math.ceil(batch / count) == math.ceil(batch / k)
+        and peak is not None and peak > THRESHOLD * cap
+        and held is not None and before <= held
+        for run in guarded
+        for count, before, peak in run.get("batch_log") or ()
+        if count
     )
 
 
