@@ -38,10 +38,10 @@ import pytest  # noqa: E402
 # MirroredStrategy, where Keras' and the frameworks' internals differ by
 # version; and the tests in FLOOR_SLOW_TESTS: of the two-worker strategy
 # the one whose workers agree through TensorFlow's collectives (their
-# replays are MirroredStrategy's), and tests slow only for their seconds. The finder, the advice, the
-# examples, the benchmarks' smoke runs, the growth checks, the planning
-# figures and the user models run at the newest end; the fast tests run at
-# both.
+# replays are MirroredStrategy's), and tests slow only for their seconds.
+# The finder, the advice, the examples, the benchmarks' smoke runs, the
+# growth checks, the planning figures and the user models run at the
+# newest end; the fast tests run at both.
 FLOOR_SLOW_FILES = frozenset(
     (
         "test_bad_input.py",
