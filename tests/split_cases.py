@@ -503,6 +503,90 @@ def assert_an_output_without_a_batch_dimension_trains_as_plain_fit(
         np.testing.assert_allclose(got_weight, want_weight, rtol=0, atol=2e-6)
 
 
+def assert_fit_options_train_as_plain_fit(micro_batches=8):
+    """`fit`'s options a split must keep: plain `fit`'s numbers.
+
+    A two-output model with a dict of per-output sample weights and
+    `weighted_metrics`, `validation_split` and `initial_epoch`, and a last
+    batch smaller than the count (86 samples, 69 of them trained on in
+    batches of 32, split in 8: the last batch's micro-batches hold one
+    sample or none).
+    """
+    rng = np.random.default_rng(1)
+    n = 86
+    x = rng.normal(size=(n, 16)).astype("float32")
+    y = {
+        "label": rng.integers(0, 3, size=(n,)),
+        "score": rng.normal(size=(n, 1)).astype("float32"),
+    }
+    weights = rng.uniform(0.1, 2.0, size=(2, n)).astype("float32")
+    results = []
+    for callbacks in ([], [fixed_split(micro_batches)]):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((16,), name="features")
+        hidden = keras.layers.Dense(32, activation="relu")(inputs)
+        model = keras.Model(
+            {"features": inputs},
+            {
+                "label": keras.layers.Dense(3, name="label")(hidden),
+                "score": keras.layers.Dense(1, name="score")(hidden),
+            },
+        )
+        model.compile(
+            keras.optimizers.SGD(0.1),
+            loss={
+                "label": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                "score": "mse",
+            },
+            metrics={"label": ["accuracy"], "score": ["mae"]},
+            weighted_metrics={"label": ["accuracy"], "score": ["mse"]},
+        )
+        history = model.fit(
+            {"features": x}, y, sample_weight={"label": weights[0], "score": weights[1]},
+            batch_size=32, epochs=3, initial_epoch=1, validation_split=0.2,
+            shuffle=False, verbose=0, callbacks=callbacks,
+        )  # fmt: skip
+        results.append((model.get_weights(), history.history))
+    (want, want_logs), (got, got_logs) = results
+    assert got_logs["micro_batches"] == [micro_batches] * 2
+    assert set(got_logs) == set(want_logs) | {"micro_batches"}
+    for key, values in want_logs.items():
+        np.testing.assert_allclose(got_logs[key], values, rtol=1e-5, atol=1e-7, err_msg=key)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def assert_a_ctc_loss_trains_as_plain_fit(make_guard=fixed_split, jit_compile="auto"):
+    """keras.io's OCR pattern, `keras.losses.CTC` compiled: plain `fit`'s numbers.
+
+    Each sample's loss is its own alignment's (a mean over samples), and
+    some labels are padded with the blank (0).
+    """
+    rng = np.random.default_rng(2)
+    steps, classes = 20, 6
+    x = rng.normal(size=(64, steps, 8)).astype("float32")
+    labels = rng.integers(1, classes, size=(64, 5)).astype("int32")
+    labels[::3, 3:] = 0
+    results = []
+    for callbacks in ([], [make_guard()]):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((steps, 8)),
+            keras.layers.GRU(16, return_sequences=True),
+            keras.layers.Dense(classes),
+        ])  # fmt: skip
+        model.compile(keras.optimizers.SGD(0.05), keras.losses.CTC(), jit_compile=jit_compile)
+        history = model.fit(
+            x, labels, batch_size=16, epochs=2, shuffle=False, verbose=0,
+            callbacks=callbacks,
+        )  # fmt: skip
+        results.append((model.get_weights(), history.history["loss"]))
+    (want, want_loss), (got, got_loss) = results
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
 class TrialGuard(keras_memguard.MemoryGuard):
     """A guard subclass with an argument of its own, as users write them."""
 
@@ -679,3 +763,15 @@ def test_variables_the_forward_pass_writes_are_named_at_a_split(recwarn):
     # SpectralNormalization trained 0.13 (TensorFlow), 0.034 (JAX) and 0.36
     # (PyTorch) from plain `fit` at k=4, with nothing said.
     assert_forward_writes_are_named_once(recwarn)
+
+
+@pytest.mark.slow
+def test_fit_options_train_as_plain_fit():
+    # Per-output sample weights, weighted metrics, a last batch smaller
+    # than the count, `validation_split` and `initial_epoch`.
+    assert_fit_options_train_as_plain_fit()
+
+
+@pytest.mark.slow
+def test_a_ctc_loss_trains_as_plain_fit():
+    assert_a_ctc_loss_trains_as_plain_fit()

@@ -24,8 +24,11 @@ from split_cases import test_masked_losses_train_as_plain_fit  # noqa: F401
 from split_cases import test_a_masked_sequence_loss_is_not_called_one_over_the_whole_batch  # noqa: F401
 from split_cases import test_variables_the_forward_pass_writes_are_named_at_a_split  # noqa: F401
 from split_cases import test_several_masked_loss_terms_are_warned_about_once  # noqa: F401
+from split_cases import assert_a_ctc_loss_trains_as_plain_fit
 from split_cases import assert_an_output_without_a_batch_dimension_trains_as_plain_fit
 from split_cases import test_an_output_without_a_batch_dimension_trains_as_plain_fit  # noqa: F401
+from split_cases import test_fit_options_train_as_plain_fit  # noqa: F401
+from split_cases import test_a_ctc_loss_trains_as_plain_fit  # noqa: F401
 
 VOCABULARY, TOKENS = 40, 12
 BATCH = 24
@@ -189,3 +192,9 @@ def test_metric_functions_of_the_users_read_as_in_plain_fit():
 @pytest.mark.slow
 def test_an_output_without_a_batch_dimension_trains_as_plain_fit_with_xla():
     assert_an_output_without_a_batch_dimension_trains_as_plain_fit(jit_compile=True)
+
+
+@pytest.mark.slow
+def test_a_ctc_loss_trains_as_plain_fit_with_xla():
+    # The alignment's dynamic programme inside the XLA-compiled micro-batch loop.
+    assert_a_ctc_loss_trains_as_plain_fit(jit_compile=True)

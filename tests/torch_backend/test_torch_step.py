@@ -24,6 +24,8 @@ from split_cases import test_losses_the_layers_add_train_as_plain_fit  # noqa: F
 from split_cases import test_metric_functions_of_the_users_read_as_in_plain_fit  # noqa: F401
 from split_cases import assert_reduction_trains_as_plain_fit
 from split_cases import test_an_output_without_a_batch_dimension_trains_as_plain_fit  # noqa: F401
+from split_cases import test_fit_options_train_as_plain_fit  # noqa: F401
+from split_cases import test_a_ctc_loss_trains_as_plain_fit  # noqa: F401
 
 from torch_models import USER_MODELS
 from torch_models import fit_arguments
