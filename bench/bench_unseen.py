@@ -96,6 +96,8 @@ MODELS = {
     "two_heads": 1024,
     "unet": 32,
     "tagger": 128,
+    "ocr": 64,
+    "siamese": 128,
 }
 
 
@@ -158,6 +160,10 @@ def build(name):
         return _unet(rng, samples, batch)
     if name == "tagger":
         return _tagger(rng, samples, batch)
+    if name == "ocr":
+        return _ocr(rng, samples, batch)
+    if name == "siamese":
+        return _siamese(rng, samples, batch)
     # A pre-norm GPT-style decoder: 3 blocks, width 96, 96 tokens, 3000 logits.
     vocabulary, tokens, width = 3000, 96, 96
     ids = keras.Input((tokens,), dtype="int32")
@@ -322,6 +328,69 @@ def _tagger(rng, samples, batch):
     x[np.arange(tokens)[None, :] >= lengths[:, None]] = 0
     y = rng.integers(0, tags, (samples, tokens)).astype("int32")
     return model, x, y, batch
+
+
+def _ocr(rng, samples, batch):
+    """keras.io's captcha OCR with `keras.losses.CTC` compiled: 128x32
+    grey images, two convolutions and poolings, a Dense over each column,
+    two `Bidirectional(LSTM)` (128, 64), 21 logits a column (20 characters
+    and the blank); labels of 6 characters; Adam."""
+    import keras
+    import numpy as np
+
+    layers = keras.layers
+    width, height, characters, length = 128, 32, 20, 6
+    images = keras.Input((width, height, 1))
+    h = layers.Conv2D(32, 3, activation="relu", padding="same")(images)
+    h = layers.MaxPooling2D(2)(h)
+    h = layers.Conv2D(64, 3, activation="relu", padding="same")(h)
+    h = layers.MaxPooling2D(2)(h)
+    h = layers.Reshape((width // 4, (height // 4) * 64))(h)
+    h = layers.Dense(64, activation="relu")(h)
+    h = layers.Bidirectional(layers.LSTM(128, return_sequences=True))(h)
+    h = layers.Bidirectional(layers.LSTM(64, return_sequences=True))(h)
+    model = keras.Model(images, layers.Dense(characters + 1)(h))
+    model.compile(keras.optimizers.Adam(), loss=keras.losses.CTC())
+    x = rng.random((samples, width, height, 1), dtype=np.float32)
+    y = rng.integers(1, characters + 1, (samples, length)).astype("int32")
+    return model, x, y, batch
+
+
+def _siamese(rng, samples, batch):
+    """keras.io's Siamese network with a contrastive loss: one convolutional
+    tower on two 64x64x3 inputs, the Euclidean distance of their embeddings
+    (a `Lambda`), BatchNormalization and a sigmoid; RMSprop, `accuracy`."""
+    import keras
+    import numpy as np
+
+    layers, ops = keras.layers, keras.ops
+    tower = keras.Sequential([
+        keras.Input((64, 64, 3)),
+        layers.Conv2D(32, 3, activation="relu"),
+        layers.MaxPooling2D(),
+        layers.Conv2D(64, 3, activation="relu"),
+        layers.GlobalAveragePooling2D(),
+        layers.Dense(64),
+    ])  # fmt: skip
+    left, right = keras.Input((64, 64, 3)), keras.Input((64, 64, 3))
+
+    def distance(pair):
+        squared = ops.sum(ops.square(pair[0] - pair[1]), axis=1, keepdims=True)
+        return ops.sqrt(ops.maximum(squared, 1e-7))
+
+    d = layers.Lambda(distance)([tower(left), tower(right)])
+    out = layers.Dense(1, activation="sigmoid")(layers.BatchNormalization()(d))
+    model = keras.Model([left, right], out)
+
+    def contrastive(y_true, y_pred, margin=1.0):
+        return ops.mean(
+            (1 - y_true) * ops.square(y_pred)
+            + y_true * ops.square(ops.maximum(margin - y_pred, 0))
+        )
+
+    model.compile("rmsprop", contrastive, metrics=["accuracy"])
+    x = [rng.random((samples, 64, 64, 3), dtype=np.float32) for _ in range(2)]
+    return model, x, rng.integers(0, 2, (samples, 1)).astype("float32"), batch
 
 
 def _bilstm(rng, samples, batch):
