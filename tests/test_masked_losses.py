@@ -95,6 +95,7 @@ def test_a_masked_mean_loss_trains_as_the_whole_batch_does(kind):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_a_masked_mean_loss_trains_as_the_whole_batch_does_under_xla():
     weights, losses = _train(_model(GuardedModel, "ignore_class", jit_compile=True), 4)
     reference_weights, reference_losses = _train(

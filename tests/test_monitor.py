@@ -733,6 +733,8 @@ def test_scalars_show_in_tensorboard_data_server(tensorboard_log_dir):
 # The model is not kept alive by the monitor's shared reader.
 
 
+# Slow for its `gc.collect()`, which costs what the worker's heap holds (1-10 s).
+@pytest.mark.slow
 def test_model_and_monitor_are_freed_after_fit():
     x, y = _data()
 
