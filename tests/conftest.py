@@ -36,9 +36,11 @@ import pytest  # noqa: E402
 # and PyTorch's), the slow tests run only from these files: the training
 # core, the guard, the mixin, the replay, inference, the profiler and
 # MirroredStrategy, where Keras' and the frameworks' internals differ by
-# version; and the tests in FLOOR_SLOW_TESTS: of the two-worker strategy
-# the one whose workers agree through TensorFlow's collectives (their
-# replays are MirroredStrategy's), and tests slow only for their seconds.
+# version; the test in FLOOR_SLOW_TESTS: of the two-worker strategy the one
+# whose workers agree through TensorFlow's collectives (their replays are
+# MirroredStrategy's); and tests marked `slow(floor=True)`, slow only for
+# their seconds (no process, no cap), which the floor runs as it would fast
+# ones.
 # The finder, the advice, the examples, the benchmarks' smoke runs, the
 # growth checks, the planning figures and the user models run at the
 # newest end; the fast tests run at both.
@@ -62,19 +64,21 @@ FLOOR_SLOW_FILES = frozenset(
     )
 )
 FLOOR_SLOW_TESTS = frozenset(
-    (
-        "test_multi_worker.py::test_workers_agree_on_micro_batches_and_train_as_one_batch",
-        # Marked slow for their seconds, not for a process or a cap: the
-        # floor runs them as it did when they were fast.
-        "test_batch_size_finder.py::test_trials_stay_under_the_limit_and_everything_is_put_back",
-        "test_batch_size_finder.py::test_a_search_that_reaches_max_batch_size_answers_it",
-        "test_xla_planning.py::test_more_micro_batches_never_need_more_memory_on_xla",
-    )
+    ("test_multi_worker.py::test_workers_agree_on_micro_batches_and_train_as_one_batch",)
 )
 
 
 def _is_slow(item):
     return item.get_closest_marker("slow") is not None
+
+
+def _floor_runs(item):
+    """Whether the floor ends run `item`, a slow test."""
+    return (
+        item.path.name in FLOOR_SLOW_FILES
+        or f"{item.path.name}::{item.name}" in FLOOR_SLOW_TESTS
+        or item.get_closest_marker("slow").kwargs.get("floor", False)
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -88,10 +92,7 @@ def pytest_collection_modifyitems(config, items):
         return
     kept, left_out = [], []
     for item in items:
-        if _is_slow(item) and not (
-            item.path.name in FLOOR_SLOW_FILES
-            or f"{item.path.name}::{item.name}" in FLOOR_SLOW_TESTS
-        ):
+        if _is_slow(item) and not _floor_runs(item):
             left_out.append(item)
         else:
             kept.append(item)

@@ -746,12 +746,14 @@ def test_metric_functions_of_the_users_read_as_in_plain_fit():
     assert_metric_functions_read_as_plain_fit()
 
 
+@pytest.mark.slow
 def test_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings(tmp_path):
     # KerasTuner stopped the search at its first trial: "All callbacks used
     # during a search should be deep-copyable".
     assert_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings(tmp_path)
 
 
+@pytest.mark.slow
 def test_an_output_without_a_batch_dimension_trains_as_plain_fit():
     # On JAX a split step raised IndexError joining a scalar output's parts;
     # on TensorFlow and PyTorch, where a metric reads the whole batch.

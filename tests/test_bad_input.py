@@ -470,6 +470,7 @@ def test_an_own_loss_that_couples_the_batchs_samples_is_warned_about_once():
     assert "micro_batches=4" in told[0] and "HINT" in told[0], told
 
 
+@pytest.mark.slow
 def test_an_own_loss_that_is_a_mean_over_samples_trains_as_plain_fit_unwarned(recwarn):
     x, y = make_data(n=128)
     plain = own_loss_model(PerSampleLoss)

@@ -108,6 +108,7 @@ def test_make_config_echoes_bad_values():
 # --- check_growth (in process, TensorFlow) -------------------------------------
 
 
+@pytest.mark.slow(floor=True)
 def test_check_growth_finds_a_list_that_keeps_tensors():
     kept = []
 

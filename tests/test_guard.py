@@ -478,8 +478,9 @@ def test_shrink_mode_scales_a_float_learning_rate_and_restores_it():
 
 
 @pytest.mark.parametrize(
-    "jit_compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["no_xla", "xla"]
+    "jit_compile", [False, True], ids=["no_xla", "xla"]
 )
+@pytest.mark.slow
 def test_an_own_train_step_without_the_mixin_trains_whole_as_plain_fit(caplog, jit_compile):
     # It used to be refused at the start of `fit` (UnsupportedTrainingSetupError)
     # where plain `fit` trains: nothing in another `train_step` can be split,

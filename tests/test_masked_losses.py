@@ -133,7 +133,11 @@ def _reduced_model(reduction, jit_compile, masked):
 )
 @pytest.mark.parametrize(
     "reduction, masked",
-    [("sum", False), ("mean_with_sample_weight", False), ("mean_with_sample_weight", True)],
+    [
+        ("sum", False),
+        pytest.param("mean_with_sample_weight", False, marks=pytest.mark.slow),
+        pytest.param("mean_with_sample_weight", True, marks=pytest.mark.slow),
+    ],
 )
 def test_every_reduction_trains_as_the_whole_batch_does(reduction, masked, jit_compile):
     # Summed, a micro-batch's loss used to count a third of itself (k=3);
@@ -183,6 +187,7 @@ def test_losses_the_layers_add_train_as_plain_fit(recwarn, jit_compile, plan):
     )
 
 
+@pytest.mark.slow
 def test_metric_functions_of_the_users_read_as_in_plain_fit():
     # A batch statistic read 0.453 against plain fit's 0.552, and a mean
     # per batch 0.996 against 0.986: updated per micro-batch, each counted

@@ -662,6 +662,7 @@ class _KeepsThirtyTwoMiBAnEpoch(keras.callbacks.Callback):
         self.kept.append(tf.ones((8 * MIB,), tf.float32))
 
 
+@pytest.mark.slow(floor=True)
 def test_the_floor_its_growth_and_the_projection_are_reported_and_drawn(tmp_path):
     x, y = make_data()
     log_dir = tmp_path / "logs"

@@ -34,6 +34,7 @@ def _batch(size):
     )
 
 
+@pytest.mark.slow(floor=True)
 def test_the_buffer_assignment_of_an_xla_step_is_read_per_count():
     model = _mlp(jit_compile=True)
     assert uses_xla(model)
@@ -74,7 +75,7 @@ def test_the_micro_batch_loop_holds_no_padded_copy_of_the_batch():
     assert split.demand_bytes < batch_bytes / 2, split
 
 
-@pytest.mark.slow
+@pytest.mark.slow(floor=True)
 def test_more_micro_batches_never_need_more_memory_on_xla():
     # Activations beside small weights. XLA inlines a loop it can count to
     # one iteration and runs that micro-batch beside the first, both alive:
@@ -122,7 +123,11 @@ class _OwnMetric(keras.metrics.Mean):
 
 @pytest.mark.parametrize(
     "metrics,kept",
-    [(None, False), (["accuracy"], False), ([_OwnMetric()], True)],
+    [
+        pytest.param(None, False, marks=pytest.mark.slow(floor=True)),
+        (["accuracy"], False),
+        ([_OwnMetric()], True),
+    ],
     ids=["none", "keras", "own"],
 )
 def test_the_whole_batchs_outputs_are_kept_only_where_a_metric_reads_them(metrics, kept):
@@ -263,6 +268,7 @@ def test_the_planners_examples_run():
     assert doctest.testmod(compiled_plan).failed == 0
 
 
+@pytest.mark.slow(floor=True)
 def test_the_slices_of_an_xla_test_step_are_planned_from_its_compiled_program():
     from keras_memguard.backends.tensorflow.compiled_slices import CompiledSlicePlanner
     from keras_memguard.backends.tensorflow.eval_replay import test_step_function
