@@ -6,7 +6,9 @@ the cap reserved as one region; `--xla on` compiles the step with XLA, as
 `jit_compile="auto"` does on a GPU). Per model and XLA setting:
 
 1. `plain`: plain `fit` under an 8 GiB cap; the largest step peak sets the
-   cap of the rest, `--share` (0.55) of it.
+   cap of the rest, `--share` (0.55) of it, or `--cap-mib` sets it: the
+   plain peak moves by a few percent from process to process, so two
+   invocations that compare a change on one model pass the same cap.
 2. `guard`: `fit` with `MemoryGuard()` under that cap for `GUARD_EPOCHS`
    epochs, three runs: from an empty plan cache (a fresh `$KERAS_HOME`),
    again from the cache it left, and from another empty cache with the CPU
@@ -44,7 +46,7 @@ finder's answer trains and is 0.9-1.0 of the largest batch that does.
 
     python bench/bench_unseen.py [--models efficientnet,densenet,...]
         [--xla off,on] [--parts plain,guard,fixed,finder] [--share 0.55]
-        [--json results.json]
+        [--cap-mib ocr=94,siamese=228] [--json results.json]
 """
 
 import argparse
@@ -616,7 +618,7 @@ def settled(result, batch):
     return math.ceil(batch / result["counts"][-1])
 
 
-def measure(name, xla, parts, share, report):
+def measure(name, xla, parts, share, report, cap_mib=None):
     batch = MODELS[name]
     row = {"model": name, "xla": xla, "batch": batch}
     base = {"model": name, "xla": xla}
@@ -626,7 +628,7 @@ def measure(name, xla, parts, share, report):
         row["error"] = f"plain fit failed: {plain}"
         report(row)
         return row
-    cap = int(share * plain["peak_mib"])
+    cap = cap_mib or int(share * plain["peak_mib"])
     row["cap_mib"] = cap
     if "guard" in parts:
         home = tempfile.mkdtemp(prefix="memguard-unseen-")
@@ -809,12 +811,25 @@ def main():
     parser.add_argument("--xla", default="off,on")
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--share", type=float, default=0.55)
+    parser.add_argument(
+        "--cap-mib", default="",
+        help="fixed caps instead of --share of the plain peak: model=MiB,...",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         parser.error(f"--models: unknown {unknown}; valid: {sorted(MODELS)}")
+    caps = {}
+    for entry in filter(None, args.cap_mib.split(",")):
+        name, _, mib = entry.partition("=")
+        if name not in MODELS or not mib.isdigit() or int(mib) < 1:
+            parser.error(
+                f"--cap-mib: expected model=MiB with a model of {sorted(MODELS)} and "
+                f"a positive integer. Received: {entry!r}"
+            )
+        caps[name] = int(mib)
     parts = set(args.parts.split(","))
     print(
         "| model | XLA | batch | plain peak MiB | cap MiB | errors | crashes "
@@ -823,7 +838,7 @@ def main():
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = [
-        measure(name, xla, parts, args.share, report_line)
+        measure(name, xla, parts, args.share, report_line, caps.get(name))
         for name in models
         for xla in args.xla.split(",")
     ]
