@@ -36,11 +36,10 @@ import pytest  # noqa: E402
 # and PyTorch's), the slow tests run only from these files: the training
 # core, the guard, the mixin, the replay, inference, the profiler and
 # MirroredStrategy, where Keras' and the frameworks' internals differ by
-# version; the test in FLOOR_SLOW_TESTS: of the two-worker strategy the one
-# whose workers agree through TensorFlow's collectives (their replays are
-# MirroredStrategy's); and tests marked `slow(floor=True)`, slow only for
-# their seconds (no process, no cap), which the floor runs as it would fast
-# ones.
+# version; and the tests marked `slow(floor=True)` in other files: tests
+# slow only for their seconds (no process, no cap), which the floor runs as
+# it would fast ones, and the one two-worker test whose replays are
+# MirroredStrategy's.
 # The finder, the advice, the examples, the benchmarks' smoke runs, the
 # growth checks, the planning figures and the user models run at the
 # newest end; the fast tests run at both.
@@ -63,9 +62,6 @@ FLOOR_SLOW_FILES = frozenset(
         "test_torch_step.py",
     )
 )
-FLOOR_SLOW_TESTS = frozenset(
-    ("test_multi_worker.py::test_workers_agree_on_micro_batches_and_train_as_one_batch",)
-)
 
 
 def _is_slow(item):
@@ -74,11 +70,9 @@ def _is_slow(item):
 
 def _floor_runs(item):
     """Whether the floor ends run `item`, a slow test."""
-    return (
-        item.path.name in FLOOR_SLOW_FILES
-        or f"{item.path.name}::{item.name}" in FLOOR_SLOW_TESTS
-        or item.get_closest_marker("slow").kwargs.get("floor", False)
-    )
+    return item.path.name in FLOOR_SLOW_FILES or item.get_closest_marker(
+        "slow"
+    ).kwargs.get("floor", False)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -116,6 +116,9 @@ def assert_same_weights(results, expected):
             np.testing.assert_allclose(np.array(got), want, atol=2e-6)
 
 
+# The floor runs this one of the two-worker tests: its workers agree through
+# TensorFlow's collectives, whose replays are MirroredStrategy's.
+@pytest.mark.slow(floor=True)
 def test_workers_agree_on_micro_batches_and_train_as_one_batch():
     # Worker 0 reads its usage against a 1 MiB limit (far above threshold),
     # worker 1 against 1 TiB (near zero): alone, only worker 0 would split.
