@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import keras_memguard
+from keras_memguard.callbacks import logs_carrier
 
 
 def fixed_split(micro_batches=4):
@@ -715,6 +716,82 @@ def assert_forward_writes_are_named_once(recwarn):
     assert not [w for w in recwarn if "writes variables" in str(w.message)]
 
 
+# The batch size a model's code was written for (`FixedBatchReshape`).
+CODE_BATCH = 32
+
+
+class FixedBatchReshape(keras.layers.Layer):
+    """Reshapes to a batch of `CODE_BATCH`, as code written for one batch
+    size does: it fails on any other."""
+
+    def call(self, inputs):
+        return keras.ops.reshape(inputs, (CODE_BATCH, 4, 4))
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], 4, 4)
+
+
+def fixed_batch_model():
+    """A classifier whose code assumes batches of `CODE_BATCH`, and its data."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    hidden = FixedBatchReshape()(keras.layers.Dense(16, activation="relu")(inputs))
+    outputs = keras.layers.Dense(3)(keras.layers.Flatten()(hidden))
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        "adam",
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3 * CODE_BATCH, 16)).astype("float32")
+    return model, x, rng.integers(0, 3, size=3 * CODE_BATCH)
+
+
+def assert_a_split_the_code_refuses_is_named_and_nothing_trained():
+    """Micro-batches asked of a model whose code needs its whole batch: a
+    clear error, naming the model's own error, and the weights untouched."""
+    model, x, y = fixed_batch_model()
+    weights = model.get_weights()
+    with pytest.raises(keras_memguard.UnsupportedTrainingSetupError) as info:
+        model.fit(x, y, batch_size=CODE_BATCH, verbose=0, callbacks=[fixed_split()])
+    message = str(info.value)
+    assert "cannot micro-batch Functional: its step fails on a micro-batch" in message, message
+    assert "in FixedBatchReshape:" in message, message
+    assert "Received: micro_batches=4" in message and "keras.ops.shape(x)[0]" in message, message
+    for got, want in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(got, want)
+    history = model.fit(x, y, batch_size=CODE_BATCH, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def assert_a_plain_fit_after_a_guarded_fit_that_raised_is_plain():
+    """An error that ends a guarded `fit` leaves the model's own train
+    function in place, as before the guard.
+
+    On TensorFlow and JAX the train function pulls each batch, so an input
+    that fails raises inside it; Keras' PyTorch `fit` pulls batches outside
+    it (there a split's error, the refusal test's, is the case).
+    """
+    x, y, _ = regression_data(n=64)
+    model = reduced_regression_model("sum_over_batch_size")
+
+    def failing_input():
+        for start in range(0, 64, 16):
+            if start == 32:
+                raise ValueError("a batch the input could not make")
+            yield x[start:start + 16], y[start:start + 16]
+
+    with pytest.raises(Exception, match="a batch the input could not make"):
+        model.fit(
+            failing_input(), epochs=1, verbose=0,
+            callbacks=[keras_memguard.MemoryGuard(memory_limit=1 << 30)],
+        )  # fmt: skip
+    assert logs_carrier.current(model) is None
+    history = model.fit(x, y, batch_size=16, verbose=0)
+    assert "micro_batches" not in history.history, history.history
+
+
 # Tests the JAX and PyTorch test modules import as they are (pytest
 # collects them there; this module's name is not a test file's).
 
@@ -777,3 +854,15 @@ def test_fit_options_train_as_plain_fit():
 @pytest.mark.slow
 def test_a_ctc_loss_trains_as_plain_fit():
     assert_a_ctc_loss_trains_as_plain_fit()
+
+
+def test_a_split_the_code_refuses_is_named_and_nothing_trained():
+    # The model's own error at the micro-batch (a reshape to the batch its
+    # code was written for) ended `fit` with no word of the split.
+    assert_a_split_the_code_refuses_is_named_and_nothing_trained()
+
+
+def test_a_plain_fit_after_a_guarded_fit_that_raised_is_plain():
+    # Keras kept the guard's train function after the error: the next plain
+    # `fit` still ran it and logged `micro_batches`.
+    assert_a_plain_fit_after_a_guarded_fit_that_raised_is_plain()

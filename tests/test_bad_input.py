@@ -22,7 +22,11 @@ import keras_memguard
 from helpers import SampleCount
 from split_cases import InBatchNegatives
 from split_cases import PerSampleLoss
+from split_cases import CODE_BATCH
+from split_cases import fixed_batch_model
 from split_cases import own_loss_model
+from split_cases import test_a_plain_fit_after_a_guarded_fit_that_raised_is_plain  # noqa: F401
+from split_cases import test_a_split_the_code_refuses_is_named_and_nothing_trained  # noqa: F401
 from keras_memguard.backends.tensorflow.eval_replay import ReplayTestFunction
 from tensorboard.backend.event_processing import event_accumulator
 
@@ -272,6 +276,48 @@ def test_a_stateful_rnn_trains_evaluates_and_predicts_whole_batches_as_plain_ker
     np.testing.assert_allclose(got[1], want[1], rtol=0, atol=1e-6)
     told = [r.getMessage() for r in caplog.records if "stateful layers ('lstm')" in r.getMessage()]
     assert len(told) == 1 and "trains the batches of Functional whole" in told[0], told
+
+
+def test_a_batch_the_models_code_cannot_split_trains_whole_as_plain_keras(caplog):
+    # A guard that plans splits a first batch where the memory free is short
+    # of many times its layer outputs. Code written for one batch size then
+    # failed on the micro-batch (ValueError) and ended `fit`, where plain
+    # `fit` trains. Its batches now run whole, and the guard says why.
+    plain, x, y = fixed_batch_model()
+    plain.fit(x, y, batch_size=CODE_BATCH, epochs=2, shuffle=False, verbose=0)
+    model, _, _ = fixed_batch_model()
+    gc.collect()
+    in_use = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    # Room for the step, far short of what runs a first batch whole.
+    guard = keras_memguard.MemoryGuard(memory_limit=int(in_use / 0.9) + (64 << 10), plan_cache=False)
+    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
+        history = model.fit(
+            x, y, batch_size=CODE_BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[guard]
+        )
+    assert history.history["micro_batches"] == [1.0, 1.0]
+    assert_weights_equal(model, plain.get_weights(), atol=1e-6)
+    told = [r.getMessage() for r in caplog.records if "fails on a micro-batch" in r.getMessage()]
+    assert len(told) == 1, told
+    assert "trains the batches of Functional whole" in told[0], told
+    assert "in FixedBatchReshape: Cannot reshape" in told[0], told
+
+
+def test_on_xla_a_batch_the_models_code_cannot_split_is_not_blamed_on_memory():
+    # The compiled program of a split that fails to trace read as one that
+    # could not be compiled "within the device's memory".
+    model, x, y = fixed_batch_model()
+    model.jit_compile = True
+    weights = model.get_weights()
+    gc.collect()
+    in_use = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    guard = keras_memguard.MemoryGuard(memory_limit=in_use + (1 << 10), plan_cache=False)
+    with pytest.raises(keras_memguard.MicroBatchTooLargeError) as info:
+        model.fit(x, y, batch_size=CODE_BATCH, verbose=0, callbacks=[guard])
+    message = str(info.value)
+    assert "within the device's memory" not in message, message
+    assert "MemoryGuard cannot split it: the step of Functional (its code assumes the batch size)" in message, message
+    assert "Nothing ran." in message and "keras.ops.shape(x)[0]" in message, message
+    assert_weights_equal(model, weights, atol=0)
 
 
 def test_micro_batches_asked_of_a_stateful_rnn_are_refused_and_the_model_trains_on():

@@ -413,6 +413,21 @@ def choose_metrics_results_beside(model, extra_keys):
     object.__setattr__(model, "_get_metrics_result_or_logs", results_or_logs)
 
 
+def is_end_of_data(error):
+    """Whether `error` is how a train function says its input ran out.
+
+    `StopIteration`, and on TensorFlow `tf.errors.OutOfRangeError`, which
+    Keras' epoch iterator catches to end an epoch (told by name: this
+    module imports TensorFlow only on first use).
+    """
+    if isinstance(error, StopIteration):
+        return True
+    return any(
+        cls.__name__ == "OutOfRangeError" and cls.__module__.startswith("tensorflow")
+        for cls in type(error).__mro__
+    )
+
+
 def restore_metrics_results_choice(model):
     """Removes what `choose_metrics_results_beside` installed on `model`."""
     model.__dict__.pop("_get_metrics_result_or_logs", None)

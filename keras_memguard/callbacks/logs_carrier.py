@@ -28,6 +28,8 @@ train end.
 The carrier costs one Python call per contributor per execution.
 """
 
+import weakref
+
 from keras_memguard.backends import compat
 from keras_memguard import step_functions as functions
 
@@ -42,6 +44,9 @@ class LogsCarrier:
     Args:
         original: The train function in place before (Keras' own, or `None`
             when it is still to be made).
+        model: The Keras model it is installed on, or `None`: where an
+            error ends `fit` from inside the carrier, `original` goes back
+            on it. Defaults to `None`.
 
     Attributes:
         inner: The function called with the iterator; its returned dict is
@@ -50,7 +55,7 @@ class LogsCarrier:
         calls: How many times the carrier has been called.
     """
 
-    def __init__(self, original):
+    def __init__(self, original, model=None):
         self.original = original
         self.inner = original
         self.calls = 0
@@ -59,10 +64,17 @@ class LogsCarrier:
         self._contributors = {}
         self._call_list = ()
         self._fit = None
+        # The model it is installed on, weakly.
+        self._model = None if model is None else weakref.ref(model)
 
     def __call__(self, *args):
         # TensorFlow: `logs = f(iterator)`; JAX: `logs, state = f(state, iterator)`.
-        result = self.inner(*args)
+        try:
+            result = self.inner(*args)
+        except BaseException as error:
+            if not compat.is_end_of_data(error):
+                self._leave_after_error()
+            raise
         logs = result[0] if isinstance(result, tuple) else result
         self.calls += 1
         if self._call_list and isinstance(logs, dict):
@@ -73,6 +85,21 @@ class LogsCarrier:
                 # Dicts keep insertion order: the added keys come last.
                 self.added_keys = tuple(logs)[size:]
         return result
+
+    def _leave_after_error(self):
+        """Puts the model's own train function back after an error ended `fit`.
+
+        Keras raises it out of `fit`, so no `on_train_end` detaches the
+        contributors; a `fit` after it without them (plain Keras, after a
+        refusal) would otherwise still run their function.
+        """
+        model = self._model() if self._model is not None else None
+        self._contributors = {}
+        self._call_list = ()
+        self.inner = self.original
+        if model is not None and current(model) is self:
+            functions.set_train_function(model, self.original)
+            compat.restore_metrics_results_choice(model)
 
     @property
     def batch_key(self):
@@ -135,7 +162,7 @@ def attach(model, owner, contribute, fit=None):
     """
     carrier = current(model)
     if carrier is None:
-        carrier = LogsCarrier(model.train_function)
+        carrier = LogsCarrier(model.train_function, model)
         functions.set_train_function(model, carrier)
         # The epoch logs stay the metrics' results beside the added keys.
         compat.choose_metrics_results_beside(model, lambda: carrier.added_keys)

@@ -1,7 +1,7 @@
 """The guard's words: its log lines and the text of its errors, in one place."""
 
 import logging
-
+import re
 from typing import NamedTuple
 
 from keras_memguard.decider import accumulation_fits
@@ -258,6 +258,46 @@ def ragged_on_xla(class_name):
         split_hint,
         f"pass a smaller `batch_size` to `fit`, or {split_hint}",
     )
+
+
+def split_fails_whole(class_name, error):
+    """The `WholeStep` of a model whose code fails on a micro-batch.
+
+    `error`: what a micro-batch's step raised, not an out-of-memory error
+    (code that assumes the batch size: a reshape or a noise tensor of a
+    fixed batch, a loss's labels made for it).
+    """
+    split_hint = (
+        "make the model's code take the batch size from its input "
+        "(`keras.ops.shape(x)[0]`) instead of a fixed number"
+    )
+    return WholeStep(
+        class_name,
+        f"its step fails on a micro-batch ({error_summary(error)}), as code "
+        "that assumes the batch size does",
+        f"the step of {class_name} (its code assumes the batch size)",
+        split_hint,
+        f"pass a smaller `batch_size` to `fit` and to the model's code, or {split_hint}",
+    )
+
+
+def error_summary(error, limit=240):
+    """`error` in one line: its type and the first line that says what failed.
+
+    Keras wraps a layer's error as "Exception encountered when calling
+    Lambda.call()." with the cause on a later line, and TensorFlow adds the
+    graph node; both are cut to what a reader needs.
+    """
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    head = lines[0] if lines else ""
+    wrapped = re.match(r"Exception encountered when calling (\S+?)(?:\.call)?\(\)\.?$", head)
+    if wrapped and len(lines) > 1:
+        head = f"in {wrapped.group(1)}: {lines[1]}"
+    head = head.split(" for '{{node ")[0]
+    if len(head) > limit:
+        head = head[: limit - 3].rstrip() + "..."
+    return f"{type(error).__name__}: {head}" if head else type(error).__name__
 
 
 def mixin_own_step(class_name, backend_name):

@@ -205,6 +205,35 @@ class GuardSession:
             self.controller.config = self.config
             self.controller.set_micro_batches(1)
 
+    def whole_after_split_error(self, error, backend):
+        """The count after a split step raised `error`: one, or raises.
+
+        `error` is not an out-of-memory error: the model's code fails on a
+        micro-batch where plain `fit` runs the whole batch (code that
+        assumes the batch size), so its batches train whole from here
+        (`train_whole_batches`, which warns once). Where the user asked for
+        micro-batches, `UnsupportedTrainingSetupError` says so instead, and
+        nothing was trained.
+
+        Args:
+            error: What the split step raised.
+            backend: The Keras backend's name.
+
+        Returns:
+            `1`, the count to run the batch with.
+
+        Raises:
+            UnsupportedTrainingSetupError: If `micro_batches` above one was
+                asked for.
+        """
+        try:
+            self.train_whole_batches(
+                messages.split_fails_whole(type(self.model).__name__, error), backend
+            )
+        except UnsupportedTrainingSetupError as refused:
+            raise refused from error
+        return 1
+
     def collect_garbage_once(self):
         """Collects Python's garbage before the first batch this guard measures.
 

@@ -9,7 +9,9 @@ untouched state again. Only out-of-memory errors are caught; everything
 else is raised as it came. Each step is waited for before the function
 returns: on a GPU XLA runs a step asynchronously and reports an allocation
 that failed only when a result is read, which would be after the state had
-moved on.
+moved on. A split step whose tracing fails (`ValueError` or `TypeError`:
+the model's code assumes the batch size) goes to its own handler, which
+runs the batch whole from then on, as plain `fit` does, or raises.
 """
 
 import re
@@ -150,6 +152,11 @@ class ReplayingTrainFunction:
         on_out_of_memory: A function `StepOutOfMemory -> int` returning a
             count larger than the one that failed, or raising. Defaults to
             `None`: `double_micro_batches`.
+        on_split_error: A function `(batch_size, micro_batches, error) ->
+            int` called when tracing a step of more than one micro-batch
+            raises `ValueError` or `TypeError` (nothing ran), returning the
+            count to run the batch with, or raising. Defaults to `None`:
+            the error is raised.
 
     Raises:
         ValueError: If `micro_batches` is not an integer >= 1.
@@ -164,12 +171,13 @@ class ReplayingTrainFunction:
     """
 
     def __init__(self, model, micro_batches=1, cache=None, plan=None,
-                 on_out_of_memory=None):
+                 on_out_of_memory=None, on_split_error=None):
         self.model = model
         self.micro_batches = validate_micro_batches(micro_batches)
         self.cache = cache if cache is not None else StepCache(model)
         self.plan = plan
         self.on_out_of_memory = on_out_of_memory or double_micro_batches
+        self.on_split_error = on_split_error
         # Batches replayed after an out-of-memory error, and the failures.
         self.replays = 0
         self.failures = []
@@ -228,6 +236,10 @@ class ReplayingTrainFunction:
                 # that fails shows only when a result is read. Wait here,
                 # where the batch can still run again on the untouched state.
                 return jax.block_until_ready(result)
+            except (ValueError, TypeError) as error:
+                if k <= 1 or self.on_split_error is None:
+                    raise
+                self.micro_batches = self.on_split_error(batch_size, k, error)
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise

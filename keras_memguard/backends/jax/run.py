@@ -183,6 +183,7 @@ class JaxTrainingRun:
                 cache=self.cache,
                 plan=self._plan,
                 on_out_of_memory=self._on_out_of_memory,
+                on_split_error=self._on_split_error,
             )
         self._carrier, self._previous_inner = logs_carrier.train_inside(
             model, session, self._contribute, self.fit, self.function
@@ -215,7 +216,10 @@ class JaxTrainingRun:
         if not self.session.options.plan:
             k = self.session.micro_batches
         else:
-            k = self._plan_new_shape(state, data)
+            try:
+                k = self._plan_new_shape(state, data)
+            except _SplitDoesNotTrace as failed:
+                k = self._on_split_error(batch_size_of(data), failed.micro_batches, failed.error)
         model = self.model
         variables = (
             model.trainable_variables, model.non_trainable_variables,
@@ -261,6 +265,9 @@ class JaxTrainingRun:
             batch_size,
         )
         return decided.micro_batches
+
+    def _on_split_error(self, batch_size, micro_batches, error):
+        return self.session.whole_after_split_error(error, "jax")
 
     def _set_count(self, k):
         controller = self.session.controller
@@ -448,6 +455,15 @@ class JaxInferenceRun:
         return k
 
 
+class _SplitDoesNotTrace(Exception):
+    """Tracing the step of `micro_batches` micro-batches raised `error`."""
+
+    def __init__(self, micro_batches, error):
+        super().__init__(micro_batches, error)
+        self.micro_batches = micro_batches
+        self.error = error
+
+
 class _NoAnalysis(Exception):
     """The backend compiled the step but gave no memory analysis."""
 
@@ -459,6 +475,10 @@ def _plan_from_analysis(memory_of, batch_size, limit_bytes, config, in_use_bytes
     def analyse(k):
         try:
             memory = memory_of(k)
+        except (ValueError, TypeError) as error:
+            if k > 1:  # the model's code fails on a micro-batch
+                raise _SplitDoesNotTrace(k, error) from error
+            raise
         except Exception as error:
             if is_out_of_memory(error):  # a GPU's autotuner, while compiling
                 return None

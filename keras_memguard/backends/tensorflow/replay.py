@@ -8,8 +8,10 @@ its handler for a larger `k` and runs the same batch again. The compiled step
 changes state only after every micro-batch has succeeded, so a failed attempt
 leaves weights, optimizer, metrics and loss tracker untouched.
 
-Only `tf.errors.ResourceExhaustedError` is caught; every other exception
-passes through unchanged.
+A split step whose tracing fails (`ValueError` or `TypeError`: the model's
+code assumes the batch size it was written for) goes to its own handler,
+which runs the batch whole from then on, as plain `fit` does, or raises.
+Every other exception passes through unchanged.
 """
 
 import tensorflow as tf
@@ -35,6 +37,11 @@ class ReplayTrainFunction:
             micro_batches, error)` when a step runs out of memory; returns the
             number of micro-batches to replay the batch with, or raises.
             `None` re-raises the error. Defaults to `None`.
+        on_split_error: Called as `on_split_error(batch_size,
+            micro_batches, error)` when tracing a step of more than one
+            micro-batch raises `ValueError` or `TypeError` (nothing ran);
+            returns the number of micro-batches to run the batch with, or
+            raises. `None` re-raises the error. Defaults to `None`.
         plan: Called as `plan(replica_batch_size, sample_size, data)` before
             each batch runs (`sample_size`: elements of one sample's inputs,
             see `sample_size_of`); returns the number of micro-batches to
@@ -48,11 +55,13 @@ class ReplayTrainFunction:
         mode="accumulate",
         on_out_of_memory=None,
         plan=None,
+        on_split_error=None,
     ):
         self.model = model
         self.micro_batches = micro_batches
         self.mode = mode
         self.on_out_of_memory = on_out_of_memory
+        self.on_split_error = on_split_error
         self.plan = plan
         # Read once: Keras' property asks TensorFlow for the current strategy.
         self.strategy = model.distribute_strategy
@@ -112,6 +121,11 @@ class ReplayTrainFunction:
                 if self.on_out_of_memory is None:
                     raise
                 self.micro_batches = self.on_out_of_memory(batch_size, micro_batches, error)
+            except (ValueError, TypeError) as error:
+                # Raised while tracing: no op of the step ran.
+                if micro_batches <= 1 or self.on_split_error is None:
+                    raise
+                self.micro_batches = self.on_split_error(batch_size, micro_batches, error)
 
 
 def run_execution(model, iterator, run):

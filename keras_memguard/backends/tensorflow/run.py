@@ -154,7 +154,9 @@ class TfTrainingRun:
             plan = self.plan_batch if session.config.predictive else None
             self.function = multi_worker.MultiWorkerTrainFunction(model, plan=plan, **options)
         else:
-            self.function = ReplayTrainFunction(model, plan=self.plan_batch, **options)
+            self.function = ReplayTrainFunction(
+                model, plan=self.plan_batch, on_split_error=self._on_split_error, **options
+            )
         if (
             session.options.reserve_memory
             and (session.options.plan or session.options.escalate)
@@ -390,9 +392,14 @@ class TfTrainingRun:
             # read where the search starts, so the read is not a compile of
             # its own (a count the search may never try).
             start = 1 if session.options.plan else k
-            if analyse(start) is None:
-                return k
-            planned, rounding = self._search_compiled(analyse, start, batch_size, before)
+            try:
+                if analyse(start) is None:
+                    return k
+                planned, rounding = self._search_compiled(analyse, start, batch_size, before)
+            except xla_memory.SplitDoesNotTrace as failed:
+                # The whole batch's step, as plain `fit` runs it, from here.
+                self.session.whole_after_split_error(failed.error, "tensorflow")
+                return self._plan_compiled(1, batch_size, data, before)
             self._compiled_plans[shapes] = (planned, rounding)
             if planned.micro_batches != self.function.micro_batches:
                 messages.log_plan(planned, batch_size)
@@ -592,6 +599,9 @@ class TfTrainingRun:
             sample_bytes,
             state,
         )
+
+    def _on_split_error(self, batch_size, micro_batches, error):
+        return self.session.whole_after_split_error(error, "tensorflow")
 
     # Out of memory.
 

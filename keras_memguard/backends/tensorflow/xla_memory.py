@@ -24,6 +24,16 @@ def uses_xla(model):
     return bool(getattr(model, "jit_compile", False)) and not model.run_eagerly
 
 
+class SplitDoesNotTrace(Exception):
+    """Tracing a step of several micro-batches raised `error` (`ValueError`
+    or `TypeError`): the model's code fails on a micro-batch, which is not
+    the device's memory."""
+
+    def __init__(self, error):
+        super().__init__(str(error))
+        self.error = error
+
+
 def step_memory(step, data, micro_batches):
     """Reads what XLA assigned to a compiled step for `data`'s shapes.
 
@@ -39,12 +49,22 @@ def step_memory(step, data, micro_batches):
         outlive the step as `output_bytes`, the rest as `temp_bytes`; or
         `None` when the step is not compiled by XLA or the compiled program
         cannot be read here.
+
+    Raises:
+        SplitDoesNotTrace: If `micro_batches` is above one and tracing the
+            step raised `ValueError` or `TypeError`.
     """
     function = getattr(step, "compiled_step", step)
     get_ir = getattr(function, "experimental_get_compiler_ir", None)
     if get_ir is None:
         return None
     data = compat.optionals_to_none(data)
+    trace = getattr(function, "get_concrete_function", None)
+    if micro_batches > 1 and trace is not None:
+        try:
+            trace(data)
+        except (ValueError, TypeError) as error:
+            raise SplitDoesNotTrace(error) from error
     try:
         blob = get_ir(data)(stage="optimized_hlo_proto_serialized")
         proto = compat.parse_hlo_proto(blob)

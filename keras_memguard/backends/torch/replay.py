@@ -15,8 +15,11 @@ The optimizer update runs last, once every micro-batch has succeeded, so
 the weights and the optimizer's variables are untouched by a failure. An
 error raised inside the optimizer update itself is not replayed: the update
 may have changed some variables, and more micro-batches would not make it
-smaller. Only out-of-memory errors are caught; every other error is raised
-as it came.
+smaller. A split step whose model code fails on its first micro-batch
+(`ValueError`, `TypeError` or `RuntimeError`, not out of memory: code that
+assumes the batch size) is rolled back the same way and goes to its own
+handler, which runs the batch whole from then on, as plain `fit` does, or
+raises. Every other error is raised as it came.
 
 `jit_compile`: `compile(jit_compile="auto")` resolves to `False` on torch
 (eager) in Keras 3.8 and 3.15 alike. With `jit_compile=True` Keras wraps its
@@ -261,12 +264,13 @@ class ReplayingTrainFunction:
     """
 
     def __init__(self, model, micro_batches=1, plan=None, on_out_of_memory=None,
-                 mode="accumulate", whole_step=None):
+                 mode="accumulate", whole_step=None, on_split_error=None):
         self.model = model
         self.whole_step = whole_step
         self.micro_batches = validate_micro_batches(micro_batches)
         self.plan = plan
         self.on_out_of_memory = on_out_of_memory or double_micro_batches
+        self.on_split_error = on_split_error
         self.mode = validate_mode(mode)
         # Batches replayed after an out-of-memory error, and the failures.
         self.replays = 0
@@ -284,6 +288,19 @@ class ReplayingTrainFunction:
             logs = self.run(batch)
             self.last_call_batches += 1
         return logs
+
+    def _split_failed(self, error, k, progress):
+        """Whether `error` is the model's code failing on a micro-batch
+        before anything was applied (not out of memory), with a handler."""
+        return (
+            self.on_split_error is not None
+            and k > 1
+            and self.whole_step is None
+            and progress.rows_done == 0
+            and not progress.applying
+            and isinstance(error, (ValueError, TypeError, RuntimeError))
+            and not is_out_of_memory(error)
+        )
 
     def _warn_jit_once(self):
         if getattr(self.model, "jit_compile", False) and not getattr(
@@ -336,6 +353,13 @@ class ReplayingTrainFunction:
                     return self.whole_step(batch)
                 return run_step(self.model, batch, parts, self.mode, progress)
             except Exception as error:
+                if self._split_failed(error, k, progress):
+                    # Nothing applied: as before the batch, then whole.
+                    drop_tracebacks(error)
+                    self.model.zero_grad()
+                    snapshot[0].restore()
+                    self.micro_batches = self.on_split_error(batch_size, k, error)
+                    continue
                 if not is_out_of_memory(error) or progress.applying:
                     raise
                 # The tracebacks hold the failed attempt's frames: its

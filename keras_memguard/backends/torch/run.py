@@ -182,6 +182,9 @@ class TorchTrainingRun:
             on_out_of_memory=self._on_out_of_memory,
             mode=_MODES[session.options.mode],
             whole_step=whole_step,
+            on_split_error=lambda batch_size, k, error: session.whole_after_split_error(
+                error, "torch"
+            ),
         )
         self._carrier, self._previous_inner = logs_carrier.train_inside(
             self.model, session, self._contribute, self.fit, self.function
