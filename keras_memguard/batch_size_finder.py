@@ -73,6 +73,7 @@ memory) is the backend's `finder` module
 (`keras_memguard.backends.current().batch_size_finder()`).
 """
 
+import contextlib
 import logging
 import time
 from typing import NamedTuple, Optional, Tuple
@@ -289,7 +290,8 @@ def find_batch_size(
     target = threshold * limit
     backend.prepare_process(probe)
     first = source.first_sample()
-    backend.build_state(model, first)
+    with _refused_where_the_step_fails(model, 1):
+        backend.build_state(model, first)
     sample_size = backend.sample_size(first) or 1.0
     if backend.SEARCH == "compiled":
         return _compiled_search(
@@ -325,9 +327,10 @@ def find_batch_size(
             size = _first_compiled_trial(model, backend, probe, source, size, target, limit)
         while len(trials) < max_trials:
             try:
-                in_use, input_bytes, peak, seconds = backend.run_trial(
-                    model, probe, source, size
-                )
+                with _refused_where_the_step_fails(model, size):
+                    in_use, input_bytes, peak, seconds = backend.run_trial(
+                        model, probe, source, size
+                    )
             except backends.TrialsCannotGoOn as stopped:
                 logger.warning(
                     "find_batch_size: stopped after %d trials, before batch %d: "
@@ -508,6 +511,19 @@ def find_batch_size(
     )
 
 
+@contextlib.contextmanager
+def _refused_where_the_step_fails(model, size):
+    """Turns the model's own error at a batch of `size` (`ValueError` or
+    `TypeError`, raised while its step is traced) into a refusal that says
+    what a search cannot do with it."""
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        raise UnsupportedTrainingSetupError(
+            messages.code_batch_search_refused(type(model).__name__, size, error)
+        ) from error
+
+
 def _below_failure(failed, tolerance):
     """The largest batch answered below `failed`, a batch that did not fit."""
     return int(failed * (1.0 - max(tolerance, FRESH_FIT_MARGIN)))
@@ -631,7 +647,8 @@ def _compiled_search(model, backend, probe, first, limit, threshold, max_batch_s
     size = int(min(FIRST_TRIAL, upper))
     while True:
         start = time.perf_counter()
-        memory = analyse(size)
+        with _refused_where_the_step_fails(model, size):
+            memory = analyse(size)
         seconds = time.perf_counter() - start
         if memory is None:
             raise UnsupportedTrainingSetupError(

@@ -765,6 +765,20 @@ def assert_a_split_the_code_refuses_is_named_and_nothing_trained():
     assert np.isfinite(history.history["loss"][0])
 
 
+def assert_find_batch_size_refuses_code_of_a_fixed_batch():
+    """`find_batch_size` on a model whose code fails at other batch sizes:
+    a refusal that says so, and the weights as they were."""
+    model, x, y = fixed_batch_model()
+    weights = model.get_weights()
+    with pytest.raises(keras_memguard.UnsupportedTrainingSetupError) as info:
+        keras_memguard.find_batch_size(model, x, y, memory_limit=1 << 28, verbose=0)
+    message = str(info.value)
+    assert "find_batch_size cannot try a batch of" in message, message
+    assert "Code that assumes the batch size" in message and "keras.ops.shape(x)[0]" in message
+    for got, want in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(got, want)
+
+
 def assert_a_plain_fit_after_a_guarded_fit_that_raised_is_plain():
     """An error that ends a guarded `fit` leaves the model's own train
     function in place, as before the guard.
@@ -866,3 +880,8 @@ def test_a_plain_fit_after_a_guarded_fit_that_raised_is_plain():
     # Keras kept the guard's train function after the error: the next plain
     # `fit` still ran it and logged `micro_batches`.
     assert_a_plain_fit_after_a_guarded_fit_that_raised_is_plain()
+
+
+def test_find_batch_size_refuses_code_of_a_fixed_batch():
+    # The model's own error at the search's first batch came out raw.
+    assert_find_batch_size_refuses_code_of_a_fixed_batch()

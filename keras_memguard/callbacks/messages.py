@@ -419,6 +419,19 @@ def stateful_split_refused(class_name, layers, micro_batches):
     )
 
 
+def code_batch_search_refused(class_name, size, error):
+    """`find_batch_size`'s `UnsupportedTrainingSetupError` text when the
+    model's train step fails at a batch it tries (not out of memory)."""
+    return (
+        f"find_batch_size cannot try a batch of {_samples(size)} on "
+        f"{class_name}: its train step raised {error_summary(error)}. Code "
+        "that assumes the batch size (a reshape or a noise tensor made for a "
+        "fixed batch) fails so at any other batch. The weights are as they "
+        "were. HINT: take the batch size from the input "
+        "(`keras.ops.shape(x)[0]`) to search."
+    )
+
+
 def stateful_search_refused(class_name, layers):
     """`find_batch_size`'s `UnsupportedTrainingSetupError` text for stateful layers."""
     return (
