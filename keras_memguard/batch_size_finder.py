@@ -290,7 +290,7 @@ def find_batch_size(
     target = threshold * limit
     backend.prepare_process(probe)
     first = source.first_sample()
-    with _refused_where_the_step_fails(model, 1):
+    with _refused_where_the_step_fails(model, 1, backend):
         backend.build_state(model, first)
     sample_size = backend.sample_size(first) or 1.0
     if backend.SEARCH == "compiled":
@@ -327,7 +327,7 @@ def find_batch_size(
             size = _first_compiled_trial(model, backend, probe, source, size, target, limit)
         while len(trials) < max_trials:
             try:
-                with _refused_where_the_step_fails(model, size):
+                with _refused_where_the_step_fails(model, size, backend):
                     in_use, input_bytes, peak, seconds = backend.run_trial(
                         model, probe, source, size
                     )
@@ -512,13 +512,13 @@ def find_batch_size(
 
 
 @contextlib.contextmanager
-def _refused_where_the_step_fails(model, size):
-    """Turns the model's own error at a batch of `size` (`ValueError` or
-    `TypeError`, raised while its step is traced) into a refusal that says
-    what a search cannot do with it."""
+def _refused_where_the_step_fails(model, size, backend):
+    """Turns the model's own error at a batch of `size` (one of the
+    backend's `STEP_ERRORS`) into a refusal that says what a search cannot
+    do with it."""
     try:
         yield
-    except (ValueError, TypeError) as error:
+    except backend.STEP_ERRORS as error:
         raise UnsupportedTrainingSetupError(
             messages.code_batch_search_refused(type(model).__name__, size, error)
         ) from error
@@ -647,7 +647,7 @@ def _compiled_search(model, backend, probe, first, limit, threshold, max_batch_s
     size = int(min(FIRST_TRIAL, upper))
     while True:
         start = time.perf_counter()
-        with _refused_where_the_step_fails(model, size):
+        with _refused_where_the_step_fails(model, size, backend):
             memory = analyse(size)
         seconds = time.perf_counter() - start
         if memory is None:

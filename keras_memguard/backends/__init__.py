@@ -37,7 +37,8 @@ A backend's `protocol` module provides:
   `find_batch_size` asks of it: `SEARCH` (`"trials"`: real trial steps;
   `"compiled"`: compiled steps' memory analyses, nothing run),
   `PEAK_FROM_IN_USE`, `PEAK_STALL_IS_ROUNDING`, `TOP_VARIES`,
-  `LIMIT_UNKNOWN`, `NOTHING_MEASURED`, `prepare_process(probe)`, `build_state(model, first)`,
+  `STEP_ERRORS`, `LIMIT_UNKNOWN`, `NOTHING_MEASURED`, `prepare_process(probe)`,
+  `build_state(model, first)`,
   `sample_size(first)`,
   `gradient_bytes(model)`, `is_dataset(x)`, `dataset_batches(dataset)`,
   `rebatched(dataset, size)`, `as_array(value)`,

@@ -26,6 +26,7 @@ from split_cases import assert_reduction_trains_as_plain_fit
 from split_cases import test_an_output_without_a_batch_dimension_trains_as_plain_fit  # noqa: F401
 from split_cases import test_fit_options_train_as_plain_fit  # noqa: F401
 from split_cases import test_a_ctc_loss_trains_as_plain_fit  # noqa: F401
+from split_cases import test_find_batch_size_refuses_code_of_a_fixed_batch  # noqa: F401
 from split_cases import test_a_split_the_code_refuses_is_named_and_nothing_trained  # noqa: F401
 
 from torch_models import USER_MODELS

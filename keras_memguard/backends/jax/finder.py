@@ -25,6 +25,9 @@ SEARCH = "compiled"
 PEAK_FROM_IN_USE = True
 TOP_VARIES = False
 PEAK_STALL_IS_ROUNDING = False
+# What the model's own code raises at a batch it cannot take (while its
+# step is traced): the search refuses the model, saying why.
+STEP_ERRORS = (ValueError, TypeError)
 
 # Said after the devices where no limit can be read.
 LIMIT_UNKNOWN = (

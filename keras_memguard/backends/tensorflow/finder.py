@@ -39,6 +39,9 @@ PEAK_FROM_IN_USE = True
 # below the largest batch that ran.
 TOP_VARIES = True
 PEAK_STALL_IS_ROUNDING = True
+# What the model's own code raises at a batch it cannot take (while its
+# step is traced): the search refuses the model, saying why.
+STEP_ERRORS = (ValueError, TypeError)
 
 # Said after the devices where no limit can be read.
 LIMIT_UNKNOWN = ""

@@ -41,6 +41,10 @@ TOP_VARIES = False
 # its tensors (CUDA) or the resident memory, whose one-time workspaces
 # make a small trial's peak vary by more than a few samples take.
 PEAK_STALL_IS_ROUNDING = False
+# What the model's own code raises at a batch it cannot take: the search
+# refuses the model, saying why. A trial's out-of-memory `RuntimeError` is
+# `run_trial`'s and never gets here.
+STEP_ERRORS = (ValueError, TypeError, RuntimeError)
 
 _libc = None
 
