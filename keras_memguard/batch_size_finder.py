@@ -83,6 +83,7 @@ import numpy as np
 from keras import tree
 
 from keras_memguard import backends
+from keras_memguard.backends import compat
 from keras_memguard import decider
 from keras_memguard import oom_explanation
 from keras_memguard.callbacks import messages
@@ -518,9 +519,12 @@ def _refused_where_the_step_fails(model, size, backend):
     do with it."""
     try:
         yield
-    except backend.STEP_ERRORS as error:
+    except Exception as error:
+        own = compat.error_behind_build(error)
+        if not isinstance(own, backend.STEP_ERRORS):
+            raise
         raise UnsupportedTrainingSetupError(
-            messages.code_batch_search_refused(type(model).__name__, size, error)
+            messages.code_batch_search_refused(type(model).__name__, size, own)
         ) from error
 
 

@@ -428,6 +428,24 @@ def is_end_of_data(error):
     )
 
 
+def error_behind_build(error):
+    """The model's own error behind Keras' build failure, else `error`.
+
+    Keras 3.8 builds a model from a batch's shapes and, where the model's
+    code raises there, raises `RuntimeError("Unable to automatically build
+    the model ...")` while handling it, with the model's error as its
+    context; later versions let the model's error through.
+    """
+    inner = error.__cause__ or error.__context__
+    if (
+        isinstance(error, RuntimeError)
+        and inner is not None
+        and str(error).startswith("Unable to automatically build the model")
+    ):
+        return inner
+    return error
+
+
 def restore_metrics_results_choice(model):
     """Removes what `choose_metrics_results_beside` installed on `model`."""
     model.__dict__.pop("_get_metrics_result_or_logs", None)
