@@ -24,6 +24,25 @@ from keras_memguard import decider
 _MIB = 1024 * 1024
 
 
+class SplitDoesNotTrace(Exception):
+    """Tracing a step of `micro_batches` micro-batches raised `error`.
+
+    `ValueError` or `TypeError` while a split step is traced means the
+    model's code fails on a micro-batch (code that assumes the batch size),
+    not that the device's memory is short: the caller trains the batches
+    whole, as plain `fit` does.
+
+    Attributes:
+        micro_batches: The count whose step failed to trace, above one.
+        error: The model's error.
+    """
+
+    def __init__(self, micro_batches, error):
+        super().__init__(micro_batches, error)
+        self.micro_batches = micro_batches
+        self.error = error
+
+
 class StepMemory(NamedTuple):
     """What XLA says a compiled step needs, in bytes.
 

@@ -98,8 +98,7 @@ class LogsCarrier:
         self._call_list = ()
         self.inner = self.original
         if model is not None and current(model) is self:
-            functions.set_train_function(model, self.original)
-            compat.restore_metrics_results_choice(model)
+            _put_back(model, self.original)
 
     @property
     def batch_key(self):
@@ -216,5 +215,10 @@ def detach(model, owner):
         return
     carrier.remove(owner)
     if not carrier.contributors:
-        functions.set_train_function(model, carrier.original)
-        compat.restore_metrics_results_choice(model)
+        _put_back(model, carrier.original)
+
+
+def _put_back(model, original):
+    """Gives `model` its own train function and metrics-results choice again."""
+    functions.set_train_function(model, original)
+    compat.restore_metrics_results_choice(model)

@@ -50,6 +50,7 @@ from keras_memguard.backends.jax.inference import SlicedPredictFunction
 from keras_memguard.backends.jax.inference import SlicedTestFunction
 from keras_memguard.backends.jax.inference import double_slices
 from keras_memguard.compiled_plan import excess_bytes
+from keras_memguard.compiled_plan import SplitDoesNotTrace
 from keras_memguard.compiled_plan import plan_micro_batches
 from keras_memguard.backends.jax.replay import ReplayingTrainFunction
 from keras_memguard.backends.jax.replay import WholeTrainFunction
@@ -218,7 +219,7 @@ class JaxTrainingRun:
         else:
             try:
                 k = self._plan_new_shape(state, data)
-            except _SplitDoesNotTrace as failed:
+            except SplitDoesNotTrace as failed:
                 k = self._on_split_error(batch_size_of(data), failed.micro_batches, failed.error)
         model = self.model
         variables = (
@@ -455,15 +456,6 @@ class JaxInferenceRun:
         return k
 
 
-class _SplitDoesNotTrace(Exception):
-    """Tracing the step of `micro_batches` micro-batches raised `error`."""
-
-    def __init__(self, micro_batches, error):
-        super().__init__(micro_batches, error)
-        self.micro_batches = micro_batches
-        self.error = error
-
-
 class _NoAnalysis(Exception):
     """The backend compiled the step but gave no memory analysis."""
 
@@ -477,7 +469,7 @@ def _plan_from_analysis(memory_of, batch_size, limit_bytes, config, in_use_bytes
             memory = memory_of(k)
         except (ValueError, TypeError) as error:
             if k > 1:  # the model's code fails on a micro-batch
-                raise _SplitDoesNotTrace(k, error) from error
+                raise SplitDoesNotTrace(k, error) from error
             raise
         except Exception as error:
             if is_out_of_memory(error):  # a GPU's autotuner, while compiling

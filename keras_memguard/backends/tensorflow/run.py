@@ -28,6 +28,7 @@ from keras_memguard.callbacks import messages
 from keras_memguard.callbacks import oom_report
 from keras_memguard.compiled_plan import count_after_no_free_block
 from keras_memguard.compiled_plan import excess_bytes
+from keras_memguard.compiled_plan import SplitDoesNotTrace
 from keras_memguard.compiled_plan import plan_micro_batches
 from keras_memguard.errors import MicroBatchTooLargeError
 from keras_memguard.errors import UnsupportedTrainingSetupError
@@ -396,7 +397,7 @@ class TfTrainingRun:
                 if analyse(start) is None:
                     return k
                 planned, rounding = self._search_compiled(analyse, start, batch_size, before)
-            except xla_memory.SplitDoesNotTrace as failed:
+            except SplitDoesNotTrace as failed:
                 # The whole batch's step, as plain `fit` runs it, from here.
                 self.session.whole_after_split_error(failed.error, "tensorflow")
                 return self._plan_compiled(1, batch_size, data, before)

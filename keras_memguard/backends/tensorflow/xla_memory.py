@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional
 
 import tensorflow as tf
 
+from keras_memguard.compiled_plan import SplitDoesNotTrace
 from keras_memguard.compiled_plan import StepMemory
 from keras_memguard.backends import compat
 
@@ -22,16 +23,6 @@ from keras_memguard.backends import compat
 def uses_xla(model):
     """Whether `model`'s train step is compiled with XLA (`jit_compile`)."""
     return bool(getattr(model, "jit_compile", False)) and not model.run_eagerly
-
-
-class SplitDoesNotTrace(Exception):
-    """Tracing a step of several micro-batches raised `error` (`ValueError`
-    or `TypeError`): the model's code fails on a micro-batch, which is not
-    the device's memory."""
-
-    def __init__(self, error):
-        super().__init__(str(error))
-        self.error = error
 
 
 def step_memory(step, data, micro_batches):
@@ -64,7 +55,7 @@ def step_memory(step, data, micro_batches):
         try:
             trace(data)
         except (ValueError, TypeError) as error:
-            raise SplitDoesNotTrace(error) from error
+            raise SplitDoesNotTrace(micro_batches, error) from error
     try:
         blob = get_ir(data)(stage="optimized_hlo_proto_serialized")
         proto = compat.parse_hlo_proto(blob)

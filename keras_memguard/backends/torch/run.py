@@ -182,9 +182,7 @@ class TorchTrainingRun:
             on_out_of_memory=self._on_out_of_memory,
             mode=_MODES[session.options.mode],
             whole_step=whole_step,
-            on_split_error=lambda batch_size, k, error: session.whole_after_split_error(
-                error, "torch"
-            ),
+            on_split_error=self._on_split_error,
         )
         self._carrier, self._previous_inner = logs_carrier.train_inside(
             self.model, session, self._contribute, self.fit, self.function
@@ -282,6 +280,9 @@ class TorchTrainingRun:
             failure.batch_size, failure.micro_batches, k, str(-(-failure.batch_size // k))
         )
         return k
+
+    def _on_split_error(self, batch_size, micro_batches, error):
+        return self.session.whole_after_split_error(error, "torch")
 
     def _contribute(self, logs):
         """After each train function call: the decider learns, logs and scalars."""
