@@ -191,3 +191,36 @@ def test_out_of_memory_that_cannot_be_replayed_stops_all_workers_fast():
     assert "Worker 1 ran out of memory" in results[0]["message"]
     # One out-of-memory error (about 10 s of allocator retries), no hang.
     assert abs(results[0]["seconds"] - results[1]["seconds"]) < 10
+
+
+def test_code_that_fails_on_a_micro_batch_trains_whole_on_every_worker():
+    # A model whose code needs each worker's 8 samples: the split that
+    # worker 0's readings ask for (against a 1 MiB limit) fails while its
+    # step is traced. Both workers go on with whole batches, as plain `fit`
+    # trains them, where `fit` ended with the model's own error.
+    scenario = {
+        "side": 16,
+        "n": 64,
+        "batch": 16,
+        "fixed_batch": 8,
+        "guard": [
+            {"memory_limit": 1 << 20, "plan": False},
+            {"memory_limit": 1 << 40, "plan": False},
+        ],
+    }
+    results, _ = run_workers(scenario, caps_mib=[2048, 2048])
+    for result in results:
+        assert "error" not in result, result.get("message")
+    first, second = results
+    # The count after each batch: 2 after the first (decided from worker
+    # 0's readings), then 1 from the second batch's failed split on.
+    assert first["k"] == second["k"] == [2, 1, 1, 1]
+    assert first["weights"] == second["weights"]
+    from programs.multi_worker_worker import fixed_batch_model
+
+    model = fixed_batch_model(scenario["side"], None)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 16, 16, 3)).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32")
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert_same_weights(results, model.get_weights())

@@ -1,7 +1,8 @@
 """One worker of a MultiWorkerMirroredStrategy cluster, guarded.
 
 The cluster comes through `TF_CONFIG`, the scenario (a JSON dict: `side`,
-`n`, `batch`, `guard` (MemoryGuard arguments per task), `custom_step`)
+`n`, `batch`, `guard` (MemoryGuard arguments per task), `custom_step`,
+`fixed_batch`: a model whose code needs batches of that many samples)
 through `MEMGUARD_SCENARIO`. Run by tests/test_multi_worker.py; reports
 through `emit_result`.
 """
@@ -59,8 +60,39 @@ class ClippedNet(keras_memguard.MemGuardMixin, keras.Model):
                 x, y, result.y_pred, sample_weight=sample_weight)
 
 
+class FixedBatchReshape(keras.layers.Layer):
+    """Reshapes to a batch of `batch` samples, as code written for one batch
+    size does (`None`: the input's own batch)."""
+
+    def __init__(self, batch=None, **kwargs):
+        super().__init__(**kwargs)
+        self.batch = batch
+
+    def call(self, inputs):
+        return keras.ops.reshape(inputs, (self.batch or -1, 4, 4))
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], 4, 4)
+
+
+def fixed_batch_model(side, batch):
+    """A regressor whose code needs batches of `batch` samples."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((side, side, 3))
+    hidden = keras.layers.GlobalAveragePooling2D()(
+        keras.layers.Conv2D(8, 3, activation="relu")(inputs)
+    )
+    hidden = FixedBatchReshape(batch)(keras.layers.Dense(16, activation="relu")(hidden))
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(hidden)))
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    return model
+
+
 def make_model(strategy, scenario):
     keras.utils.set_random_seed(0)
+    if scenario.get("fixed_batch"):
+        with strategy.scope():
+            return fixed_batch_model(scenario["side"], scenario["fixed_batch"])
     if scenario.get("custom_step"):
         with strategy.scope():
             model = ClippedNet()

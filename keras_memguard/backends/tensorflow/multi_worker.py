@@ -407,6 +407,12 @@ class MultiWorkerTrainFunction:
             number of micro-batches to run it with. It must decide from
             numbers every worker agreed on, so that all plan alike. `None`
             keeps the count in force. Defaults to `None`.
+        on_split_error: Called as `on_split_error(batch_size,
+            micro_batches, error)` on every worker when tracing the local
+            step of more than one micro-batch raised `ValueError` or
+            `TypeError` on any worker (the model's code fails on a
+            micro-batch; nothing ran); returns the count to run the batch
+            with, or raises. `None` re-raises the error. Defaults to `None`.
 
     Raises:
         UnsupportedTrainingSetupError: If `mode` is `"shrink"`.
@@ -419,6 +425,7 @@ class MultiWorkerTrainFunction:
         mode="accumulate",
         on_out_of_memory=None,
         plan=None,
+        on_split_error=None,
     ):
         self.model = model
         self.strategy = model.distribute_strategy
@@ -432,6 +439,7 @@ class MultiWorkerTrainFunction:
                 f"Received: mode={mode!r}. HINT: use mode='accumulate'."
             )
         self.on_out_of_memory = on_out_of_memory
+        self.on_split_error = on_split_error
         self.plan = plan
         self.splittable = _splittable(model)
         self.last_batch_size = None
@@ -472,22 +480,40 @@ class MultiWorkerTrainFunction:
         result = None
         while True:
             micro_batches = self.micro_batches
-            error = None
+            error = split_error = None
             if result is None:
                 try:
                     result = self._local_step(micro_batches)(data)
                 except tf.errors.ResourceExhaustedError as oom:
                     error = oom
+                except (ValueError, TypeError) as traced:
+                    # Raised while tracing: no op of the step ran here.
+                    if micro_batches <= 1 or self.on_split_error is None:
+                        raise
+                    split_error = traced
             # A worker with a smaller last batch may have planned fewer
             # micro-batches: the handler gets the largest count everywhere.
-            failed, batch_size, micro_batches = agree_max(
-                self.strategy, [result is None, local_batch, micro_batches]
+            failed, batch_size, micro_batches, split_failed = agree_max(
+                self.strategy,
+                [result is None, local_batch, micro_batches, split_error is not None],
             )
             batch_size = int(batch_size)
             micro_batches = int(micro_batches)
             self.last_batch_size = batch_size
             if batch_size > (self.largest_batch_size or 0):
                 self.largest_batch_size = batch_size
+            if split_failed:
+                # Every worker runs the batch at the count the handler
+                # gives, its own split gradients dropped.
+                if split_error is None:
+                    split_error = ValueError(
+                        "Another worker's step failed on a micro-batch."
+                    )
+                result = None
+                self.micro_batches = self.on_split_error(
+                    batch_size, micro_batches, split_error
+                )
+                continue
             if not failed:
                 break
             if error is None:

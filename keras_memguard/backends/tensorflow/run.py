@@ -153,7 +153,9 @@ class TfTrainingRun:
             multi_worker.prepare_multi_worker(model)
             logs_carrier.reinstall(model, carrier, model.train_function)
             plan = self.plan_batch if session.config.predictive else None
-            self.function = multi_worker.MultiWorkerTrainFunction(model, plan=plan, **options)
+            self.function = multi_worker.MultiWorkerTrainFunction(
+                model, plan=plan, on_split_error=self._on_split_error, **options
+            )
         else:
             self.function = ReplayTrainFunction(
                 model, plan=self.plan_batch, on_split_error=self._on_split_error, **options
