@@ -88,6 +88,22 @@ def run_workers(scenario, caps_mib, timeout=WORKER_TIMEOUT):
     return results, time.monotonic() - start
 
 
+# Worker 0 reads its usage against a 1 MiB limit (far above threshold),
+# worker 1 against 1 TiB (near zero): alone, only worker 0 would split.
+ONLY_WORKER_0_SPLITS = [
+    {"memory_limit": 1 << 20, "plan": False},
+    {"memory_limit": 1 << 40, "plan": False},
+]
+
+
+def run_workers_without_error(scenario):
+    """Both workers' results, each with room to spare; neither raised."""
+    results, _ = run_workers(scenario, caps_mib=[2048, 2048])
+    for result in results:
+        assert "error" not in result, result.get("message")
+    return results
+
+
 def reference_weights(scenario):
     """Plain single-process training on the same global batches."""
     n, side = scenario["n"], scenario["side"]
@@ -120,21 +136,8 @@ def assert_same_weights(results, expected):
 # TensorFlow's collectives, whose replays are MirroredStrategy's.
 @pytest.mark.slow(floor=True)
 def test_workers_agree_on_micro_batches_and_train_as_one_batch():
-    # Worker 0 reads its usage against a 1 MiB limit (far above threshold),
-    # worker 1 against 1 TiB (near zero): alone, only worker 0 would split.
-    scenario = {
-        "side": 32,
-        "n": 64,
-        "batch": 16,
-        "guard": [
-            {"memory_limit": 1 << 20, "plan": False},
-            {"memory_limit": 1 << 40, "plan": False},
-        ],
-    }
-    results, _ = run_workers(scenario, caps_mib=[2048, 2048])
-    for result in results:
-        assert "error" not in result, result.get("message")
-    first, second = results
+    scenario = {"side": 32, "n": 64, "batch": 16, "guard": ONLY_WORKER_0_SPLITS}
+    first, second = results = run_workers_without_error(scenario)
     # Doubled at the same steps on both, up to one sample per micro-batch
     # (8 samples per worker).
     assert first["k"] == second["k"] == [2, 4, 8, 8]
@@ -199,19 +202,9 @@ def test_code_that_fails_on_a_micro_batch_trains_whole_on_every_worker():
     # step is traced. Both workers go on with whole batches, as plain `fit`
     # trains them, where `fit` ended with the model's own error.
     scenario = {
-        "side": 16,
-        "n": 64,
-        "batch": 16,
-        "fixed_batch": 8,
-        "guard": [
-            {"memory_limit": 1 << 20, "plan": False},
-            {"memory_limit": 1 << 40, "plan": False},
-        ],
+        "side": 16, "n": 64, "batch": 16, "fixed_batch": 8, "guard": ONLY_WORKER_0_SPLITS,
     }
-    results, _ = run_workers(scenario, caps_mib=[2048, 2048])
-    for result in results:
-        assert "error" not in result, result.get("message")
-    first, second = results
+    first, second = results = run_workers_without_error(scenario)
     # The count after each batch: 2 after the first (decided from worker
     # 0's readings), then 1 from the second batch's failed split on.
     assert first["k"] == second["k"] == [2, 1, 1, 1]
