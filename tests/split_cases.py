@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import keras_memguard
+from keras_memguard import oom_explanation
 from keras_memguard.callbacks import logs_carrier
 
 
@@ -835,6 +836,32 @@ def test_losses_the_layers_add_train_as_plain_fit(recwarn):
 
 def test_metric_functions_of_the_users_read_as_in_plain_fit():
     assert_metric_functions_read_as_plain_fit()
+
+
+def test_a_sequential_built_from_its_first_batch_has_one_samples_layer_outputs():
+    # Without an `Input`, Keras builds the model from the first batch, and
+    # every layer's output shape carries that batch's size: it was read as
+    # one sample's, and an unbuilt CNN's first batch of 128 was split into
+    # single samples, then replayed after an error at 2 micro-batches.
+    def cnn(*head):
+        keras.utils.set_random_seed(0)
+        return keras.Sequential(
+            [*head, keras.layers.Conv2D(8, 3, activation="relu"),
+             keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(3)]
+        )  # fmt: skip
+
+    with_input = cnn(keras.Input((16, 16, 3)))
+    without = cnn()
+    without.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.random((16, 16, 16, 3), dtype=np.float32)
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40, plan_cache=False)
+    without.fit(x, rng.integers(0, 3, 16), batch_size=8, verbose=0, callbacks=[guard])
+    one_sample = oom_explanation.layer_output_bytes(with_input)
+    assert one_sample == (14 * 14 * 8 + 8 + 3) * 4
+    assert oom_explanation.layer_output_bytes(without) == one_sample
+    if keras.backend.backend() != "jax":  # JAX plans from the compiled step
+        assert guard.controller.state.sample_bytes == one_sample
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from keras_memguard.testing import run_with_memory_cap
 from keras_memguard.backends.tensorflow.replay import ReplayTrainFunction
 import programs
 from programs.common import design_cnn
+from split_cases import test_a_sequential_built_from_its_first_batch_has_one_samples_layer_outputs  # noqa: F401
 from split_cases import test_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings  # noqa: F401
 from tensorboard.backend.event_processing import event_accumulator
 
@@ -264,31 +265,6 @@ def test_the_decider_knows_the_layer_outputs_with_and_without_planning(plan):
     model.fit(x, rng.integers(0, 10, 16), batch_size=8, verbose=0, callbacks=[guard])
     sample_bytes = guard.controller.state.sample_bytes
     assert sample_bytes == oom_explanation.layer_output_bytes(model) > 0
-
-
-def test_a_sequential_built_from_its_first_batch_has_one_samples_layer_outputs():
-    # Without an `Input`, Keras builds the model from the first batch, and
-    # every layer's output shape carries that batch's size: it was read as
-    # one sample's, and an unbuilt CNN's first batch of 128 was split into
-    # single samples, then replayed after an error at 2 micro-batches.
-    def cnn(*head):
-        keras.utils.set_random_seed(0)
-        return keras.Sequential(
-            [*head, keras.layers.Conv2D(8, 3, activation="relu"),
-             keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(3)]
-        )  # fmt: skip
-
-    with_input = cnn(keras.Input((16, 16, 3)))
-    without = cnn()
-    without.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    rng = np.random.default_rng(0)
-    x = rng.random((16, 16, 16, 3), dtype=np.float32)
-    guard = keras_memguard.MemoryGuard(memory_limit=1 << 40, plan_cache=False)
-    without.fit(x, rng.integers(0, 3, 16), batch_size=8, verbose=0, callbacks=[guard])
-    one_sample = oom_explanation.layer_output_bytes(with_input)
-    assert one_sample == (14 * 14 * 8 + 8 + 3) * 4
-    assert oom_explanation.layer_output_bytes(without) == one_sample
-    assert guard.controller.state.sample_bytes == one_sample
 
 
 @pytest.mark.slow

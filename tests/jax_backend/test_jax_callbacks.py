@@ -20,6 +20,7 @@ import keras
 import keras_memguard
 from split_cases import assert_only_the_coupled_loss_is_warned_about
 from split_cases import assert_summed_loss_evaluates_as_unsliced
+from split_cases import test_a_sequential_built_from_its_first_batch_has_one_samples_layer_outputs  # noqa: F401
 from split_cases import test_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings  # noqa: F401
 from jax_models import assert_guarded_whole_as_plain
 from jax_models import assert_weights_kept_a_split_refused_and_it_trains_on
