@@ -351,12 +351,12 @@ def tensor_candidates(model, micro_batch_size, batch_size=None):
     inner = [layer for layer in layers if not isinstance(layer, keras.layers.InputLayer)]
     for layer in inner:
         for tensor in _outputs(layer):
-            size = _bytes(tensor, micro_batch_size, batched=True)
+            size = _bytes(tensor, micro_batch_size)
             if size:
                 candidates.append((size, layer.name, "output", size[1]))
     for tensor in _model_inputs(model):
         for samples in {micro_batch_size, batch_size} - {None}:
-            size = _bytes(tensor, samples, batched=True)
+            size = _bytes(tensor, samples)
             if size:
                 candidates.append((size, "input", "input", size[1]))
     owners = {}
@@ -404,7 +404,7 @@ def layer_output_bytes(model):
         if not outputs:
             return 0
         for tensor in outputs:
-            size = _bytes(tensor, 1, batched=True)
+            size = _bytes(tensor, 1)
             if size is None:
                 return 0
             total += size[0]
@@ -428,14 +428,15 @@ def _model_inputs(model):
     return [tensor for tensor in inputs or [] if hasattr(tensor, "shape")]
 
 
-def _bytes(tensor, batch, batched=False):
+def _bytes(tensor, batch):
     """`(bytes, shape)` of `tensor` at `batch` samples.
 
-    `batched`: the first dimension is the batch's (a layer's output, a
-    model's input), taken as `batch` even where it is known: a model that
-    Keras built from the first batch (a `Sequential` without an `Input`)
-    has that batch's size there. Otherwise only a first dimension left
-    unknown is taken as `batch`.
+    `batch`: the samples of a tensor whose first dimension is the batch's
+    (a layer's output, a model's input), taken as that dimension even where
+    it is known: a model that Keras built from the first batch (a
+    `Sequential` without an `Input`) has that batch's size there. `None`
+    for a tensor without one (a weight): its shape as it is, and `None`
+    back where a dimension is unknown.
     """
     try:
         shape = list(tensor.shape)
@@ -444,9 +445,7 @@ def _bytes(tensor, batch, batched=False):
         return None
     if dtype not in _DTYPE_BYTES:
         return None
-    if shape and (shape[0] is None or batched):
-        if batch is None:
-            return None
+    if shape and batch is not None:
         shape[0] = batch
     if any(d is None for d in shape):
         return None
