@@ -903,12 +903,15 @@ def plan(config, state, batch):
         # growth, measure a micro-batch half as large (safe) to find out.
         measured = int(state.readings[0][0] / batch.sample_size)
         probe = max(low, min(high, -(-batch_size // max(1, measured // 2))))
-        # Not where the whole batch ran within half the target: splitting
-        # it only to measure would change the step for nothing it needs.
+        # Not where the whole batch's step took at most half the room above
+        # the memory in use: a step twice as large would still fit, so
+        # splitting it only to measure would change the step for nothing it
+        # needs. The room, not the target, because what a batch can add is
+        # the step's; weights and a frozen base held beside it do not grow.
         roomy = (
             k == 1
             and measured >= batch_size
-            and in_use + state.readings[0][1] <= 0.5 * target
+            and state.readings[0][1] <= 0.5 * (target - in_use)
         )
         if -(-batch_size // k) <= measured and probe > k and not roomy:
             usage = _usage(state, batch._replace(in_use_bytes=in_use), probe)

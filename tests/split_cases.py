@@ -325,6 +325,43 @@ def assert_a_model_that_fits_trains_as_plain_fit(recwarn):
     assert not told, told
 
 
+def assert_a_small_step_beside_much_memory_in_use_trains_as_plain_fit(in_use_bytes):
+    """A default guard whose limit the memory in use mostly fills (weights,
+    a frozen base, another model), on a BatchNormalization MLP whose step
+    takes a sliver of the room left: plain `fit`.
+
+    The second batch used to be split in two to measure, because its peak
+    was above half the target, though the step took a fraction of the room:
+    BatchNormalization's statistics of half batches, and a warning.
+    `in_use_bytes()` reads the memory in use as the backend's guard does.
+    """
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 8)).astype("float32")
+    y = rng.integers(0, 3, size=200)
+    weights, counts = [], []
+    for planned in (False, True):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
+            keras.layers.ReLU(), keras.layers.Dense(3, activation="softmax"),
+        ])  # fmt: skip
+        model.compile("sgd", "sparse_categorical_crossentropy")
+        callbacks = []
+        if planned:
+            # 16 MiB held beside the model, as a frozen base's weights are,
+            # and the memory in use at 60% of the limit: above half the
+            # target, with room for the step many times over.
+            held = keras.ops.ones((4 << 20,))  # noqa: F841
+            limit = int(in_use_bytes() / 0.6)
+            callbacks = [keras_memguard.MemoryGuard(memory_limit=limit, plan_cache=False)]
+        history = model.fit(x, y, batch_size=50, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+        weights.append(model.get_weights())
+        counts.append(history.history.get("micro_batches"))
+    assert counts[1] == [1, 1], counts
+    for want, got in zip(*weights):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
 def assert_masked_losses_train_as_plain_fit(make_guard=fixed_split):
     """Losses over unmasked tokens under `make_guard()`: what plain `fit` gives.
 

@@ -24,6 +24,7 @@ from keras_memguard.backends.tensorflow import replay
 from keras_memguard.backends.tensorflow.mixin import MemGuardMixin
 import programs
 from split_cases import assert_a_model_that_fits_trains_as_plain_fit
+from split_cases import assert_a_small_step_beside_much_memory_in_use_trains_as_plain_fit
 
 # 203 samples in batches of 50: 4 full batches (50 is divisible by none of
 # 3, 4 and 8) and a last batch of 3, smaller than k = 4 and k = 8.
@@ -620,3 +621,9 @@ def test_an_unbuilt_subclassed_model_trains_micro_batched_as_plain_keras(jit_com
     micro_batched = train(GuardedSubclassedNet, micro_batches=4)
     for got, want in zip(micro_batched, reference):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_small_step_beside_much_memory_in_use_trains_as_plain_fit():
+    assert_a_small_step_beside_much_memory_in_use_trains_as_plain_fit(
+        lambda: tf.config.experimental.get_memory_info("CPU:0")["current"]
+    )

@@ -140,6 +140,9 @@ class GuardSession:
         # The configuration of `evaluate` and `predict`, where training's
         # count is capped for a reason theirs is not; `None`: `config`.
         self._inference_config = None
+        # The warning of `whole_after_split_error`, said once a whole batch
+        # has trained (`advance`), or `None`.
+        self._unsaid_warning = None
 
     # The model and its limits.
 
@@ -174,7 +177,7 @@ class GuardSession:
             for controller in self._inference_controllers.values():
                 controller.config = self.config
 
-    def train_whole_batches(self, whole, backend):
+    def train_whole_batches(self, whole, backend, after_a_step=False):
         """Trains the model's batches whole, as plain `fit` runs them.
 
         Where nothing can be split (a model's own `train_step`; a JAX step
@@ -186,6 +189,8 @@ class GuardSession:
         Args:
             whole: The `messages.WholeStep` that says why, for the messages.
             backend: The Keras backend's name (the warning differs).
+            after_a_step: If `True`, the warning waits until a batch has
+                trained (`advance`).
 
         Raises:
             UnsupportedTrainingSetupError: If `micro_batches` above one was
@@ -196,7 +201,11 @@ class GuardSession:
                 messages.whole_step_refused(whole, self.options.micro_batches)
             )
         if self.whole_step is None:
-            logger.warning("%s", messages.whole_step_batches(whole, backend))
+            warning = messages.whole_step_batches(whole, backend)
+            if after_a_step:
+                self._unsaid_warning = warning
+            else:
+                logger.warning("%s", warning)
         self.whole_step = whole
         if self.config.max_micro_batches != 1:
             if self._inference_config is None:
@@ -211,9 +220,12 @@ class GuardSession:
         `error` is not an out-of-memory error: the model's code fails on a
         micro-batch where plain `fit` runs the whole batch (code that
         assumes the batch size), so its batches train whole from here
-        (`train_whole_batches`, which warns once). Where the user asked for
-        micro-batches, `UnsupportedTrainingSetupError` says so instead, and
-        nothing was trained.
+        (`train_whole_batches`). It warns once the whole batch has trained:
+        where that raises too, the error is not the split's, and `fit` ends
+        with it as plain `fit` does, with no warning that blames the split.
+        Where the user asked for micro-batches,
+        `UnsupportedTrainingSetupError` says so instead, and nothing was
+        trained.
 
         Args:
             error: What the split step raised.
@@ -228,7 +240,9 @@ class GuardSession:
         """
         try:
             self.train_whole_batches(
-                messages.split_fails_whole(type(self.model).__name__, error), backend
+                messages.split_fails_whole(type(self.model).__name__, error),
+                backend,
+                after_a_step=True,
             )
         except UnsupportedTrainingSetupError as refused:
             raise refused from error
@@ -429,8 +443,11 @@ class GuardSession:
             self.controller.state = decider.init(self.config, self.options.micro_batches)
 
     def advance(self, steps):
-        """Counts `steps` more training steps."""
+        """Counts `steps` more training steps, and says what waited for one."""
         self.step += steps
+        if self._unsaid_warning is not None:
+            logger.warning("%s", self._unsaid_warning)
+            self._unsaid_warning = None
 
     def save_state(self):
         """Saves the controller's state and the step under `backup_dir`."""

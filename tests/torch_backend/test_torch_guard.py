@@ -29,6 +29,7 @@ from tensorboard.backend.event_processing import event_accumulator
 import keras
 
 import keras_memguard
+from split_cases import assert_a_small_step_beside_much_memory_in_use_trains_as_plain_fit
 from split_cases import assert_only_the_coupled_loss_is_warned_about
 from split_cases import test_a_sequential_built_from_its_first_batch_has_one_samples_layer_outputs  # noqa: F401
 from split_cases import test_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings  # noqa: F401
@@ -40,6 +41,7 @@ from keras_memguard.backends.torch.mixin import MemGuardMixin
 from keras_memguard.backends.torch.replay import CPU_OUT_OF_MEMORY
 from keras_memguard.backends.torch.replay import ReplayingTrainFunction
 from keras_memguard.errors import UnsupportedTrainingSetupError
+from keras_memguard.probes.host import rss_bytes
 from keras_memguard.testing import RESULT_MARKER, address_space_cap_env
 
 ON_LINUX = os.path.exists("/proc/self/status")
@@ -613,3 +615,41 @@ def test_an_own_loss_is_warned_about_only_where_it_couples_the_samples(recwarn):
         recwarn,
         lambda: keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4),
     )
+
+
+def test_a_small_step_beside_much_memory_in_use_trains_as_plain_fit():
+    # The process's resident memory is the memory in use on the host: a
+    # limit a few hundred MiB above it split every model's second batch.
+    assert_a_small_step_beside_much_memory_in_use_trains_as_plain_fit(rss_bytes)
+
+
+def test_a_step_that_fails_whole_too_ends_fit_as_plain_fit_without_blaming_the_split(caplog):
+    # A position embedding computed once, outside the step
+    # (`Embedding(T, W)(arange(T))`): its graph is freed by the first
+    # backward pass, so plain `fit` raises at its second step. The guard's
+    # split raised it at the second micro-batch, warned that the model's
+    # code assumes the batch size, then raised it again running the batch
+    # whole. Now only the error, as plain `fit`.
+    def decoder():
+        keras.utils.set_random_seed(0)
+        tokens = keras.Input((16,), dtype="int32")
+        positions = keras.layers.Embedding(16, 8)(keras.ops.arange(16))
+        hidden = keras.layers.Embedding(50, 8)(tokens) + positions
+        model = keras.Model(tokens, keras.layers.Dense(50)(hidden))
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 50, size=(64, 16)), rng.integers(0, 50, size=(64, 16))
+    with pytest.raises(RuntimeError) as plain:
+        decoder().fit(x, y, batch_size=32, verbose=0)
+    model = decoder()
+    # Room for a sliver of the step: the first batch is split.
+    guard = keras_memguard.MemoryGuard(memory_limit=rss_bytes() + (64 << 10), plan_cache=False)
+    with caplog.at_level(logging.WARNING, logger="keras_memguard"):
+        with pytest.raises(RuntimeError) as guarded:
+            model.fit(x, y, batch_size=32, verbose=0, callbacks=[guard])
+    assert str(guarded.value) == str(plain.value)
+    assert "backward through the graph a second time" in str(guarded.value)
+    told = [r.getMessage() for r in caplog.records if "fails on a micro-batch" in r.getMessage()]
+    assert told == [], told
