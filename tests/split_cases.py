@@ -5,11 +5,13 @@ needs Keras and numpy, nothing of a backend.
 """
 
 import copy
+import os
 import pickle
 
 import keras
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing import event_accumulator
 
 import keras_memguard
 from keras_memguard import oom_explanation
@@ -686,6 +688,17 @@ def assert_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings
     assert np.isfinite(history.history["host_rss_mib"]).all()
     for got, want in zip(second.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+    # The copies' steps follow the first trial's on the same run's axis:
+    # they started again at 1, and TensorBoard drew the trials over one
+    # another.
+    run = event_accumulator.EventAccumulator(
+        os.path.join(log_dir, "memguard"), size_guidance={event_accumulator.SCALARS: 0}
+    )
+    run.Reload()
+    steps = {tag: [event.step for event in run.Scalars(tag)] for tag in run.Tags()["scalars"]}
+    assert steps["memguard/micro_batches"] == list(range(1, 9)), steps
+    host = [tag for tag in steps if tag.startswith("memory/host/rss")]
+    assert host and all(steps[tag] == [2, 4, 6, 8] for tag in host), steps
 
 
 class StepCounter(keras.layers.Layer):

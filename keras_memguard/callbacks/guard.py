@@ -240,7 +240,8 @@ class MemoryGuard(keras.callbacks.Callback):
         self._run.begin()
         session.reset_peaks()
         if session.writer is not None:
-            session.writer.acquire(self)
+            # After the steps other callbacks wrote here (a search's trials).
+            session.step = max(session.step, session.writer.acquire(self))
 
     def on_train_end(self, logs=None):
         if self._run is not None:

@@ -340,6 +340,8 @@ class ScalarWriter:
         self._has_host = False
         self._layout_bytes = None
         self._layout_event = None
+        # The largest step queued so far (`acquire` returns it).
+        self._reached = 0
 
     # The training thread.
 
@@ -353,6 +355,8 @@ class ScalarWriter:
                 values are skipped.
         """
         self._pending.append((step, time.time(), None, scalars))
+        if step > self._reached:
+            self._reached = step
         if self._thread is None:
             self._start()
 
@@ -369,6 +373,8 @@ class ScalarWriter:
                 not changed afterwards.
         """
         self._pending.append((step, time.time(), tags, values))
+        if step > self._reached:
+            self._reached = step
         if self._thread is None:
             self._start()
 
@@ -378,6 +384,13 @@ class ScalarWriter:
         Acquiring twice without a release counts once, so a `fit` that
         raised before `on_train_end` does not keep the thread running for
         good.
+
+        Returns:
+            The largest step written so far in this process, `0` if none.
+            A callback goes on from at least there, so the fits of several
+            callbacks on one `log_dir` (a search's copies, one per trial; a
+            new callback per fold) follow one another on the step axis
+            instead of overlapping.
         """
         with self._lock:
             self._holders.add(id(holder))
@@ -388,6 +401,7 @@ class ScalarWriter:
                 self._file = None
                 self.path = None
         self._start()
+        return self._reached
 
     def release(self, holder):
         """Lets go of the writer; the last holder flushes every event.
