@@ -427,6 +427,45 @@ def test_backup_and_restore_resumes_micro_batches_and_counters(tmp_path):
     assert len(history.history["loss"]) == 2  # resumed at epoch 1
 
 
+def test_a_backup_of_another_models_training_is_not_gone_on_from(tmp_path, caplog):
+    # A search's trials share the guard's `backup_dir` (each trial a deep
+    # copy): the next trial's model went on from the last trial's state,
+    # its readings and count, as a preempted run of the same model does.
+    backup = str(tmp_path / "backup")
+    x, y = make_data(n=64)
+
+    def wider():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((24, 24, 3)), keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(1),
+        ])  # fmt: skip
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    def fit(model, **options):
+        guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, backup_dir=backup, **options)
+        seen = []
+        record = keras.callbacks.LambdaCallback(
+            on_train_batch_begin=lambda batch, logs: seen.append(guard.micro_batches)
+        )
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="keras_memguard"):
+            model.fit(x, y, batch_size=32, verbose=0, callbacks=[guard, record])
+        told = [r.getMessage() for r in caplog.records if "does not go on from" in r.getMessage()]
+        return guard.session.has_restored_state, seen, told
+
+    fit(make_mlp(), micro_batches=4)
+    # Another model (the next trial): it starts afresh, and says why.
+    restored, seen, told = fit(wider())
+    assert (restored, seen) == (False, [1, 1]) and len(told) == 1, (restored, seen, told)
+    assert "another model or set-up" in told[0]
+    # The same model again (a preempted run restarted) goes on as before.
+    fit(make_mlp(), micro_batches=4)
+    restored, seen, told = fit(make_mlp())
+    assert (restored, seen, told) == (True, [4, 4], [])
+
+
 @pytest.mark.slow
 def test_mixin_model_follows_the_guard():
     class Net(keras_memguard.MemGuardMixin, keras.Model):

@@ -194,33 +194,40 @@ class GuardController:
         if self.plan_key is not None:
             plan_cache.save(self.plan_key, self._plan_fields, self.state)
 
-    def save_state(self, step):
+    def save_state(self, step, setup=None):
         """`save` to `backup_dir`, where there is one."""
         if self.backup_dir is not None:
-            self.save(self.backup_dir, step)
+            self.save(self.backup_dir, step, setup)
 
-    def load_state(self):
+    def load_state(self, setup=None):
         """`load` from `backup_dir`: its batch counter, or `None`."""
-        return self.load(self.backup_dir) if self.backup_dir is not None else None
+        return self.load(self.backup_dir, setup) if self.backup_dir is not None else None
 
-    def save(self, directory, step):
-        """Writes the state and the batch counter to `directory` atomically."""
+    def save(self, directory, step, setup=None):
+        """Writes the state and the batch counter to `directory` atomically.
+
+        `setup` (JSON-serializable, or `None`) names the training step the
+        state was learned on; `load` ignores a state of another.
+        """
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, STATE_FILE)
         payload = {
             "version": STATE_FILE_VERSION,
             "decider": decider.to_dict(self.state),
             "step": step,
+            "setup": setup,
         }
         with open(path + ".tmp", "w") as f:
             json.dump(payload, f)
         os.replace(path + ".tmp", path)
 
-    def load(self, directory):
+    def load(self, directory, setup=None):
         """Restores what `save` wrote; returns its batch counter, or `None`.
 
         A file written by another version of the package is ignored with
-        one warning.
+        one warning; one saved with another `setup` than a given one (a
+        hyperparameter search's next trial, with the same `backup_dir`)
+        with one log line: its readings describe another step.
         """
         path = os.path.join(directory, STATE_FILE)
         if not os.path.exists(path):
@@ -231,6 +238,14 @@ class GuardController:
             logger.warning(
                 "MemoryGuard ignores %s: it was written by another version "
                 "of keras_memguard; the guard starts afresh.",
+                path,
+            )
+            return None
+        saved = payload.get("setup")
+        if setup is not None and saved is not None and saved != setup:
+            logger.info(
+                "MemoryGuard does not go on from %s: it was saved while "
+                "training another model or set-up; the guard starts afresh.",
                 path,
             )
             return None

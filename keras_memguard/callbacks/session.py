@@ -11,6 +11,7 @@ to every run, and no run reaches into the guard itself.
 """
 
 import gc
+import json
 import logging
 from typing import NamedTuple, Optional, Tuple
 
@@ -451,14 +452,23 @@ class GuardSession:
 
     def save_state(self):
         """Saves the controller's state and the step under `backup_dir`."""
-        self.controller.save_state(self.step)
+        self.controller.save_state(self.step, self._backup_setup())
 
     def load_state(self):
-        """Goes on from the state saved under `backup_dir`, if any."""
-        step = self.controller.load_state()
+        """Goes on from the state saved under `backup_dir`, if any, and if
+        it was saved while training the same step (`_trained_step`)."""
+        step = self.controller.load_state(self._backup_setup())
         if step is not None:
             self.step = step
             self._restored = True
+
+    def _backup_setup(self):
+        # The trained step's signature as JSON reads it back (lists); none
+        # for a model not built yet (built from its first batch), whose
+        # weights cannot tell.
+        if self.model is None or not self.model.trainable_variables:
+            return None
+        return json.loads(json.dumps(_trained_step(self.model)))
 
     def save_plan(self):
         """Keeps what was learned in the plan cache, when planning and started."""
