@@ -118,10 +118,16 @@ def test_trials_stay_under_the_limit_and_everything_is_put_back():
         for t in result.trials
     ]
     assert result.micro_batches >= 4096 / result.largest_batch_size, trials
-    # No trial but the last went past the limit (it is not a cap here:
-    # nothing would stop it). The last may: near the top the allocator can
-    # round a step's peak a few percent past the proportional bound.
-    assert all(t.peak_bytes <= limit for t in result.trials[:-1]), (_mib(limit), trials)
+    # At most one trial went past the limit (it is not a cap here: nothing
+    # would stop it), and none larger ran after it: near the top the
+    # allocator can round a step's peak a few percent past the
+    # proportional bound, and the search then bisects below that trial, as
+    # below one that ran out of memory.
+    past = [i for i, t in enumerate(result.trials) if t.peak_bytes is not None and t.peak_bytes > limit]
+    assert len(past) <= 1, (_mib(limit), trials)
+    for i in past:
+        bound = result.trials[i].batch_size
+        assert all(t.batch_size < bound for t in result.trials[i + 1:]), (_mib(limit), trials)
     assert result.bytes_per_sample > 0
 
 
