@@ -240,8 +240,7 @@ class MemoryGuard(keras.callbacks.Callback):
         self._run.begin()
         session.reset_peaks()
         if session.writer is not None:
-            # After the steps other callbacks wrote here (a search's trials).
-            session.step = max(session.step, session.writer.acquire(self))
+            session.step = session.writer.acquire(self, session.step)
 
     def on_train_end(self, logs=None):
         if self._run is not None:

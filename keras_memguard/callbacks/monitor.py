@@ -299,8 +299,7 @@ class MemoryMonitor(keras.callbacks.Callback):
         # batch.
         self._host_probe.available
         if self._writer is not None:
-            # After the steps other callbacks wrote here (a search's trials).
-            self._step = max(self._step, self._writer.acquire(self))
+            self._step = self._writer.acquire(self, self._step)
         if self._spikes is not None:
             self._spikes.begin_fit()
         self._contributed = None

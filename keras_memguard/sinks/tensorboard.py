@@ -340,7 +340,8 @@ class ScalarWriter:
         self._has_host = False
         self._layout_bytes = None
         self._layout_event = None
-        # The largest step queued so far (`acquire` returns it).
+        # The largest step written so far (`acquire`), read off the
+        # training thread where rows are encoded (`_drain`).
         self._reached = 0
 
     # The training thread.
@@ -355,8 +356,6 @@ class ScalarWriter:
                 values are skipped.
         """
         self._pending.append((step, time.time(), None, scalars))
-        if step > self._reached:
-            self._reached = step
         if self._thread is None:
             self._start()
 
@@ -373,35 +372,39 @@ class ScalarWriter:
                 not changed afterwards.
         """
         self._pending.append((step, time.time(), tags, values))
-        if step > self._reached:
-            self._reached = step
         if self._thread is None:
             self._start()
 
-    def acquire(self, holder):
+    def acquire(self, holder, step=0):
         """Marks `holder` (a callback) as writing until `release(holder)`.
 
         Acquiring twice without a release counts once, so a `fit` that
         raised before `on_train_end` does not keep the thread running for
         good.
 
+        Args:
+            holder: The callback.
+            step: The last step `holder` wrote at, `0` if none.
+
         Returns:
-            The largest step written so far in this process, `0` if none.
-            A callback goes on from at least there, so the fits of several
-            callbacks on one `log_dir` (a search's copies, one per trial; a
-            new callback per fold) follow one another on the step axis
-            instead of overlapping.
+            The step `holder` goes on from: `step`, or the largest step
+            written to this run in this process where that is larger, so
+            the fits of several callbacks on one `log_dir` (a search's
+            copies, one per trial; a new callback per fold) follow one
+            another on the step axis instead of overlapping.
         """
         with self._lock:
             self._holders.add(id(holder))
         with self._io_lock:
+            self._drain()
             if self._file is not None and not os.path.exists(self._file.path):
                 # Deleted since the last fit: start a new file.
                 self._file.close()
                 self._file = None
                 self.path = None
+            reached = self._reached
         self._start()
-        return self._reached
+        return max(step, reached)
 
     def release(self, holder):
         """Lets go of the writer; the last holder flushes every event.
@@ -513,6 +516,8 @@ class ScalarWriter:
         while pending:
             row_step, row_wall, tags, values = pending.popleft()
             if row_step != step:
+                if row_step > self._reached:
+                    self._reached = row_step
                 if parts:
                     events.append(encode_event(step, wall, b"".join(parts)))
                     parts = []
