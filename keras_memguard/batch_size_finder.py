@@ -85,6 +85,7 @@ from keras import tree
 from keras_memguard import backends
 from keras_memguard.backends import compat
 from keras_memguard import decider
+from keras_memguard import keras_models
 from keras_memguard import oom_explanation
 from keras_memguard.callbacks import messages
 from keras_memguard.callbacks.sampling import resolve_limits
@@ -268,6 +269,7 @@ def find_batch_size(
     model.fit(x_train, y_train, batch_size=result.largest_batch_size)
     ```
     """
+    keras_models.check_model(model, "find_batch_size")
     _validate(threshold, tolerance, max_batch_size, max_trials, batch_size, verbose)
     stateful = stateful_layers(model)
     if stateful:

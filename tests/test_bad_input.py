@@ -605,3 +605,84 @@ def test_a_stateful_mixin_model_refuses_micro_batches_and_trains_whole():
     x = np.random.default_rng(0).normal(size=(64, 6, 3)).astype("float32")
     history = model.fit(x, x[:, -1, :1], batch_size=16, verbose=0)
     assert np.isfinite(history.history["loss"][0])
+
+
+def test_an_object_that_is_no_keras_model_is_refused_by_name():
+    layer = keras.layers.Dense(1)
+    for callback in (keras_memguard.MemoryGuard(), keras_memguard.MemoryMonitor()):
+        with pytest.raises(
+            keras_memguard.UnsupportedTrainingSetupError,
+            match=rf"{type(callback).__name__} works with Keras 3 models\. Received: "
+            r"`keras\.src\.layers\.core\.dense\.Dense`, which is not a `keras\.Model`",
+        ):
+            callback.set_model(layer)
+    x, y = make_data(16)
+    with pytest.raises(keras_memguard.UnsupportedTrainingSetupError, match="find_batch_size works"):
+        keras_memguard.find_batch_size(layer, x, y, memory_limit=64 * MIB)
+
+
+# A Keras 2 model (`tf_keras`) in every entry point, in a process of its own:
+# importing Keras 2 beside Keras 3 is left out of the suite's processes.
+KERAS_2_MODEL = """
+import json
+import numpy as np
+import tf_keras
+import keras_memguard
+
+model = tf_keras.Sequential(
+    [tf_keras.layers.Dense(8, activation="relu", input_shape=(4,)), tf_keras.layers.Dense(1)]
+)
+model.compile("sgd", "mse")
+x = np.ones((32, 4), "float32")
+y = np.ones((32, 1), "float32")
+before = [w.copy() for w in model.get_weights()]
+said = {}
+
+def refusal(run):
+    try:
+        run()
+    except keras_memguard.UnsupportedTrainingSetupError as error:
+        return str(error)
+    return None
+
+for name in ("MemoryGuard", "MemoryMonitor"):
+    callback = getattr(keras_memguard, name)()
+    said[name] = refusal(
+        lambda: model.fit(x, y, batch_size=8, verbose=0, callbacks=[callback])
+    )
+said["find_batch_size"] = refusal(
+    lambda: keras_memguard.find_batch_size(model, x, y, memory_limit=1 << 26)
+)
+
+def make_class():
+    class Model(keras_memguard.MemGuardMixin, tf_keras.Model):
+        pass
+
+said["MemGuardMixin"] = refusal(make_class)
+unchanged = all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+loss = model.fit(x, y, batch_size=8, verbose=0).history["loss"]
+print("RESULT " + json.dumps({"said": said, "unchanged": unchanged, "trained": len(loss)}))
+"""
+
+
+@pytest.mark.slow
+def test_a_keras_2_model_is_refused_by_name_everywhere_and_still_trains_plain():
+    pytest.importorskip("tf_keras", reason="Keras 2 (tf-keras) is not installed")
+    import json
+    import subprocess
+
+    completed = subprocess.run(
+        [sys.executable, "-c", KERAS_2_MODEL], capture_output=True, text=True, timeout=300
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    line = next(l for l in completed.stdout.splitlines() if l.startswith("RESULT "))
+    result = json.loads(line[len("RESULT "):])
+    for user, message in result["said"].items():
+        assert message is not None, user
+        assert message.startswith(f"{user} works with Keras 3 models. Received: "), message
+        assert "Keras 2 model (`tf_keras." in message, message
+        assert "HINT: build the model with Keras 3: `import keras`" in message, message
+    assert "the class `Model`, made on a Keras 2 model" in result["said"]["MemGuardMixin"]
+    # Refused before anything ran: the weights as built, and plain `fit` trains.
+    assert result["unchanged"]
+    assert result["trained"] == 1

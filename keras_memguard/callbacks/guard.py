@@ -12,6 +12,7 @@ guard's `GuardSession` (`session.py`), which each run is handed.
 import keras
 
 from keras_memguard import backends
+from keras_memguard import keras_models
 from keras_memguard.callbacks import copies
 from keras_memguard.callbacks import guard_options
 from keras_memguard.callbacks import inference
@@ -224,6 +225,7 @@ class MemoryGuard(keras.callbacks.Callback):
         return self.session.last_oom_explanation
 
     def set_model(self, model):
+        keras_models.check_model(model, "MemoryGuard")
         super().set_model(model)
         self.session.attach(model)
 

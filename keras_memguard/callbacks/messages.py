@@ -649,3 +649,28 @@ def too_large(
         "model or input size, or a device with more memory (a larger memory "
         "limit)."
     )
+
+
+def not_a_keras_model(user, type_name, module, class_name=None):
+    """The error where `user` got a model, or a model class, that is not Keras 3's.
+
+    `type_name` and `module`: the class received (for a model class made
+    with the mixin, `class_name` is that class and `type_name` its Keras 2
+    base).
+    """
+    if module.partition(".")[0] == "tf_keras":
+        what = (
+            f"a Keras 2 model (`{module}.{type_name}`, from the `tf_keras` "
+            "package, which `tf.keras` is where TF_USE_LEGACY_KERAS=1 is set)"
+        )
+        if class_name is not None:
+            what = f"the class `{class_name}`, made on {what}"
+        hint = (
+            "build the model with Keras 3: `import keras` and `keras.Model`, "
+            "`keras.layers` (not `tf_keras` or `tf.keras` with "
+            "TF_USE_LEGACY_KERAS=1)"
+        )
+    else:
+        what = f"`{module}.{type_name}`, which is not a `keras.Model`"
+        hint = "pass a Keras 3 model (`keras.Model`, `keras.Sequential`)"
+    return f"{user} works with Keras 3 models. Received: {what}. HINT: {hint}."

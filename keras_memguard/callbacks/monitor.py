@@ -10,6 +10,7 @@ import keras
 from keras_memguard import backends
 from keras_memguard import growth as growth_test
 from keras_memguard import growth_check
+from keras_memguard import keras_models
 from keras_memguard.callbacks import copies
 from keras_memguard.callbacks import logs_carrier
 from keras_memguard.callbacks.sampling import resolve_limits
@@ -261,6 +262,7 @@ class MemoryMonitor(keras.callbacks.Callback):
         return copies.reduced(self, MemoryMonitor, self._arguments)
 
     def set_model(self, model):
+        keras_models.check_model(model, "MemoryMonitor")
         super().set_model(model)
         self._reader = shared_reader(model)
         self._reader.register(self, self.memory_limit)

@@ -19,6 +19,7 @@ from keras_memguard.backends.jax.replay import double_micro_batches
 from keras_memguard.backends.jax.support import distribution_text
 from keras_memguard import step_functions as functions
 from keras_memguard.whole_batches import check_micro_batches
+from keras_memguard import keras_models
 
 
 class MemGuardMixin:
@@ -58,6 +59,12 @@ class MemGuardMixin:
     model.fit(x, y, batch_size=256)
     ```
     """
+
+    def __init_subclass__(cls, **kwargs):
+        # A class made on a Keras 2 model is refused here, by name, not at
+        # its first step.
+        super().__init_subclass__(**kwargs)
+        keras_models.check_model_class(cls)
 
     _memguard_micro_batches = 1
 

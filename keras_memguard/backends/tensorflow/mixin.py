@@ -10,6 +10,7 @@ from keras_memguard.backends.tensorflow.step import build_training_state
 from keras_memguard.backends.tensorflow.step import micro_batch_train_step
 from keras_memguard.backends.tensorflow.step import step_function
 from keras_memguard.whole_batches import check_micro_batches
+from keras_memguard import keras_models
 
 
 def _set_private(model, name, value):
@@ -118,6 +119,12 @@ class MemGuardMixin:
                 return {m.name: m.result() for m in self.metrics}
     ```
     """
+
+    def __init_subclass__(cls, **kwargs):
+        # A class made on a Keras 2 model is refused here, by name, not at
+        # its first step.
+        super().__init_subclass__(**kwargs)
+        keras_models.check_model_class(cls)
 
     # Class-level defaults: the mixin needs no `__init__`, which keeps
     # `from_config` and Keras' functional-class injection untouched.

@@ -17,6 +17,7 @@ from keras_memguard.backends.torch.step import validate_mode
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.errors import UnsupportedTrainingSetupError
 from keras_memguard.whole_batches import check_micro_batches
+from keras_memguard import keras_models
 
 
 class MemGuardMixin:
@@ -57,6 +58,12 @@ class MemGuardMixin:
     model.fit(x, y, batch_size=256)
     ```
     """
+
+    def __init_subclass__(cls, **kwargs):
+        # A class made on a Keras 2 model is refused here, by name, not at
+        # its first step.
+        super().__init_subclass__(**kwargs)
+        keras_models.check_model_class(cls)
 
     _memguard_micro_batches = 1
     _memguard_micro_batch_mode = "accumulate"
