@@ -73,6 +73,7 @@ memory) is the backend's `finder` module
 (`keras_memguard.backends.current().batch_size_finder()`).
 """
 
+import collections.abc
 import contextlib
 import logging
 import time
@@ -253,10 +254,15 @@ def find_batch_size(
         A `BatchSizeResult`.
 
     Raises:
-        ValueError: If an argument is out of range, or `x` holds no sample.
+        ValueError: If an argument is out of range, the model is not
+            compiled, or `x` is not input the search can batch again (a
+            generator, a dataset of single samples), holds no sample, or
+            holds another number of samples than `y` or `sample_weight`.
         MemoryLimitUnknownError: If no memory limit can be resolved.
         MicroBatchTooLargeError: If a step of one sample does not fit.
-        UnsupportedTrainingSetupError: If the model has stateful layers,
+        UnsupportedTrainingSetupError: If `model` is not a Keras 3 model,
+            or its train step raises on a batch the search tries (code that
+            assumes the batch size), or the model has stateful layers,
             which fix its batch size; on JAX, if the device gives no
             memory analysis of a compiled step.
 
@@ -270,6 +276,13 @@ def find_batch_size(
     ```
     """
     keras_models.check_model(model, "find_batch_size")
+    if not model.compiled:
+        # What `fit` says; without it the search failed on a missing
+        # optimizer.
+        raise ValueError(
+            "find_batch_size needs a compiled model: call `model.compile(...)` "
+            "first, as before `fit`. Received: a model that was not compiled"
+        )
     _validate(threshold, tolerance, max_batch_size, max_trials, batch_size, verbose)
     stateful = stateful_layers(model)
     if stateful:
@@ -293,7 +306,7 @@ def find_batch_size(
     target = threshold * limit
     backend.prepare_process(probe)
     first = source.first_sample()
-    with _refused_where_the_step_fails(model, 1, backend):
+    with _refused_where_the_step_fails(model, 1, backend, first=True):
         backend.build_state(model, first)
     sample_size = backend.sample_size(first) or 1.0
     if backend.SEARCH == "compiled":
@@ -515,10 +528,11 @@ def find_batch_size(
 
 
 @contextlib.contextmanager
-def _refused_where_the_step_fails(model, size, backend):
+def _refused_where_the_step_fails(model, size, backend, first=False):
     """Turns the model's own error at a batch of `size` (one of the
     backend's `STEP_ERRORS`) into a refusal that says what a search cannot
-    do with it."""
+    do with it. `first`: the step that builds the training state, before
+    any trial, where an input `fit` cannot train either fails too."""
     try:
         yield
     except Exception as error:
@@ -526,7 +540,7 @@ def _refused_where_the_step_fails(model, size, backend):
         if not isinstance(own, backend.STEP_ERRORS):
             raise
         raise UnsupportedTrainingSetupError(
-            messages.code_batch_search_refused(type(model).__name__, size, own)
+            messages.code_batch_search_refused(type(model).__name__, size, own, first)
         ) from error
 
 
@@ -830,12 +844,15 @@ class _TrialInput:
             self.kind = "dataset" if dataset else "py_dataset"
             self.batches = x
         else:
+            for name, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+                _check_arrays(name, value)
             self.kind = "arrays"
             self.arrays = tree.map_structure(self._as_array, (x, y, sample_weight))
             if not _sample_count(self.arrays):
                 raise ValueError(
                     "`x` must hold at least one sample. Received: x with no samples"
                 )
+            _check_sample_counts(self.arrays)
 
     def first_sample(self):
         """`(x, y, sample_weight)` of one sample, as numpy arrays."""
@@ -872,6 +889,13 @@ class _TrialInput:
             batch = tree.map_structure(
                 self._as_array, tuple(batch) + (None,) * (3 - len(batch))
             )
+            if any(a is not None and not a.ndim for a in tree.flatten(batch)):
+                raise ValueError(
+                    "`x` must yield batches, as `fit` takes them (a "
+                    "`tf.data.Dataset` batched with `.batch(...)`). Received: "
+                    f"{self.batches!r}, whose elements include a scalar: a "
+                    "single sample, not a batch"
+                )
             parts.append(batch)
             held += _sample_count(batch)
             if held >= count:
@@ -921,6 +945,46 @@ class _ServedInBatches(keras.utils.PyDataset):
 
 def _type_name(value):
     return "None" if value is None else type(value).__name__
+
+
+def _check_arrays(name, value):
+    """Raises where argument `name` holds batches rather than arrays: a
+    Python generator or iterator, or an iterable without a shape (a
+    PyTorch `DataLoader`).
+
+    `fit` reads such input once, batch after batch; the search needs the
+    samples again at every batch size it tries, and would use up a
+    generator the user's `fit` is to read.
+    """
+    for leaf in tree.flatten(value):
+        if isinstance(leaf, collections.abc.Iterable) and not (
+            hasattr(leaf, "shape") or isinstance(leaf, (str, bytes))
+        ):
+            raise ValueError(
+                f"`{name}` must be a numpy array or tensor (or a list or dict of "
+                "them), a batched `tf.data.Dataset` or a `keras.utils.PyDataset`: "
+                "the search batches the samples again at each size it tries. "
+                f"Received: {name}={leaf!r}. HINT: pass the arrays it "
+                "reads from, or a `keras.utils.PyDataset` over them."
+            )
+
+
+def _check_sample_counts(arrays):
+    """Raises where `x`, `y` and `sample_weight` hold different numbers of
+    samples (what `fit` refuses as ambiguous data cardinality)."""
+    counts = {}
+    for name, value in zip(("x", "y", "sample_weight"), arrays):
+        sizes = sorted({len(a) for a in tree.flatten(value) if a is not None and a.ndim})
+        if sizes:
+            counts[name] = sizes
+    if len({size for sizes in counts.values() for size in sizes}) > 1:
+        held = ", ".join(
+            f"{name} with {' and '.join(map(str, sizes))}" for name, sizes in counts.items()
+        )
+        raise ValueError(
+            "`x`, `y` and `sample_weight` must hold the same number of samples, "
+            f"as in `fit`. Received: {held} samples"
+        )
 
 
 def _sample_count(arrays):

@@ -451,6 +451,42 @@ def test_a_train_step_of_its_own_is_searched_as_it_trains():
     assert result.largest_batch_size >= 4 and all(t.peak_bytes for t in result.trials)
 
 
+def test_input_fit_would_refuse_is_named_before_any_trial():
+    # Each came out as another error: a missing optimizer, "x with no
+    # samples" for a generator of batches, and the search's refusal of code
+    # that assumes the batch size for arrays of different lengths.
+    x, y = data(8)
+    uncompiled = keras.Sequential([keras.Input(x.shape[1:]), keras.layers.Flatten(), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match=r"needs a compiled model: call `model.compile\(...\)`"):
+        keras_memguard.find_batch_size(uncompiled, x, y, memory_limit=ROOM)
+    model = bn_dropout_model()
+    weights = model.get_weights()
+    batches = ((x[i:i + 4], y[i:i + 4]) for i in range(0, 8, 4))
+    with pytest.raises(ValueError) as error:
+        keras_memguard.find_batch_size(model, batches, memory_limit=ROOM)
+    assert str(error.value).startswith("`x` must be a numpy array or tensor"), error.value
+    assert "Received: x=<generator object" in str(error.value)
+    assert len(next(batches)[0]) == 4  # not read
+    with pytest.raises(ValueError) as error:
+        keras_memguard.find_batch_size(model, x, y[:5], memory_limit=ROOM)
+    assert "must hold the same number of samples, as in `fit`. Received: x with 8, y with 5" in str(
+        error.value
+    )
+    import tensorflow as tf
+
+    single_samples = tf.data.Dataset.from_tensor_slices((x, y))  # not batched
+    with pytest.raises(ValueError, match="`x` must yield batches, as `fit` takes them"):
+        keras_memguard.find_batch_size(model, single_samples, memory_limit=ROOM, verbose=0)
+    # Samples of rank one or more read as batches: the first step fails.
+    single_samples = tf.data.Dataset.from_tensor_slices((x, y[:, None]))
+    with pytest.raises(keras_memguard.UnsupportedTrainingSetupError) as error:
+        keras_memguard.find_batch_size(model, single_samples, memory_limit=ROOM, verbose=0)
+    assert "so does an input `fit` cannot train either" in str(error.value)
+    assert "a dataset of single samples, not batches" in str(error.value)
+    for got, want in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_a_dataset_with_separate_targets_is_refused_by_name():
     import tensorflow as tf
 

@@ -419,9 +419,25 @@ def stateful_split_refused(class_name, layers, micro_batches):
     )
 
 
-def code_batch_search_refused(class_name, size, error):
+def code_batch_search_refused(class_name, size, error, first=False):
     """`find_batch_size`'s `UnsupportedTrainingSetupError` text when the
-    model's train step fails at a batch it tries (not out of memory)."""
+    model's train step fails at a batch it tries (not out of memory).
+
+    `first`: the step before any trial, where an input `fit` cannot train
+    either (targets missing, a dataset of single samples) fails as well.
+    """
+    if first:
+        return (
+            f"find_batch_size cannot try a batch of {_samples(size)} on "
+            f"{class_name}: its train step raised {error_summary(error)}. Code "
+            "that assumes the batch size (a reshape or a noise tensor made for "
+            "a fixed batch) fails so at any other batch; so does an input "
+            "`fit` cannot train either (targets the loss needs and `y` does not "
+            "give; a dataset of single samples, not batches). The weights are "
+            "as they were. HINT: check that `model.fit` trains on this input; "
+            "if it does, take the batch size from the input "
+            "(`keras.ops.shape(x)[0]`) to search."
+        )
     return (
         f"find_batch_size cannot try a batch of {_samples(size)} on "
         f"{class_name}: its train step raised {error_summary(error)}. Code "
