@@ -857,6 +857,34 @@ def assert_a_plain_fit_after_a_guarded_fit_that_raised_is_plain():
     assert "micro_batches" not in history.history, history.history
 
 
+def assert_a_plain_fit_after_a_guarded_fit_another_callback_ended_is_plain():
+    """A `fit` that another callback ended, or Ctrl-C between two steps,
+    outside the guard's train function and so without `on_train_end`: the
+    next `fit` without the guard runs the model's own train function."""
+    x, y, _ = regression_data(n=64)
+    model = reduced_regression_model("sum_over_batch_size")
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise KeyboardInterrupt
+
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30, plan=False, micro_batches=4)
+    monitor = keras_memguard.MemoryMonitor(memory_limit=1 << 30)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(
+            x, y, batch_size=16, epochs=1, verbose=0, callbacks=[guard, monitor, Interrupt()]
+        )
+    history = model.fit(x, y, batch_size=16, verbose=0)
+    assert "micro_batches" not in history.history, history.history
+    assert not any(key.startswith("memory") for key in history.history), history.history
+    assert logs_carrier.current(model) is None
+    # The guard and the monitor go on in the next `fit` they are given.
+    history = model.fit(x, y, batch_size=16, verbose=0, callbacks=[guard, monitor])
+    assert history.history["micro_batches"] == [4.0], history.history
+    assert logs_carrier.current(model) is None
+
+
 # Tests the JAX and PyTorch test modules import as they are (pytest
 # collects them there; this module's name is not a test file's).
 
@@ -957,6 +985,12 @@ def test_a_plain_fit_after_a_guarded_fit_that_raised_is_plain():
     # Keras kept the guard's train function after the error: the next plain
     # `fit` still ran it and logged `micro_batches`.
     assert_a_plain_fit_after_a_guarded_fit_that_raised_is_plain()
+
+
+def test_a_plain_fit_after_a_guarded_fit_another_callback_ended_is_plain():
+    # The guard's train function stayed: the next plain `fit` trained at
+    # the guard's count and logged `micro_batches` and the monitor's keys.
+    assert_a_plain_fit_after_a_guarded_fit_another_callback_ended_is_plain()
 
 
 def test_find_batch_size_refuses_code_of_a_fixed_batch():

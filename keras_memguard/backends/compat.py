@@ -446,6 +446,17 @@ def error_behind_build(error):
     return error
 
 
+def fit_history(model):
+    """What tells one `fit` of `model` from the next: its `History`.
+
+    Keras' `CallbackList.set_model` sets a new `History` as `model.history`
+    for every `fit` (Keras 3.8 through 3.15), before any callback's
+    `on_train_begin`; `evaluate` and `predict` leave it. `None` before the
+    first `fit`.
+    """
+    return getattr(model, "history", None)
+
+
 def restore_metrics_results_choice(model):
     """Removes what `choose_metrics_results_beside` installed on `model`."""
     model.__dict__.pop("_get_metrics_result_or_logs", None)

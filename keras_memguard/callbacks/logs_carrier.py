@@ -64,11 +64,17 @@ class LogsCarrier:
         self._contributors = {}
         self._call_list = ()
         self._fit = None
+        # The `History` of the `fit` the contributors were added in.
+        self._history = None
         # The model it is installed on, weakly.
         self._model = None if model is None else weakref.ref(model)
 
     def __call__(self, *args):
         # TensorFlow: `logs = f(iterator)`; JAX: `logs, state = f(state, iterator)`.
+        if self._history is not None and self._model is not None:
+            model = self._model()
+            if model is not None and compat.fit_history(model) is not self._history:
+                return self._own_function_of_a_later_fit(model)(*args)
         try:
             result = self.inner(*args)
         except BaseException as error:
@@ -85,6 +91,23 @@ class LogsCarrier:
                 # Dicts keep insertion order: the added keys come last.
                 self.added_keys = tuple(logs)[size:]
         return result
+
+    def _own_function_of_a_later_fit(self, model):
+        """Leaves the model for a `fit` the contributors are not in, and
+        returns the model's own train function for it.
+
+        The `fit` they were added in ended without `on_train_end`: another
+        callback raised, or the user interrupted it between two steps, out
+        of the carrier's reach. A plain `fit` after it must run the
+        model's own function, as Keras does, not the guard's at its last
+        count.
+        """
+        self._history = None
+        self._leave_after_error()
+        if model.train_function is self or model.train_function is None:
+            functions.set_train_function(model, None)
+            model.make_train_function()
+        return model.train_function
 
     def _leave_after_error(self):
         """Puts the model's own train function back after an error ended `fit`.
@@ -125,6 +148,9 @@ class LogsCarrier:
             self._fit = fit
             self._contributors = {}
             self.inner = self.original
+            model = self._model() if self._model is not None else None
+            if model is not None and fit is not None:
+                self._history = compat.fit_history(model)
         self._contributors[owner] = contribute
         self._call_list = tuple(self._contributors.values())
 

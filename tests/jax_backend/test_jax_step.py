@@ -26,6 +26,7 @@ from split_cases import test_fit_options_train_as_plain_fit  # noqa: F401
 from split_cases import test_a_ctc_loss_trains_as_plain_fit  # noqa: F401
 from split_cases import test_find_batch_size_refuses_code_of_a_fixed_batch  # noqa: F401
 from split_cases import test_a_plain_fit_after_a_guarded_fit_that_raised_is_plain  # noqa: F401
+from split_cases import test_a_plain_fit_after_a_guarded_fit_another_callback_ended_is_plain  # noqa: F401
 from split_cases import test_a_split_the_code_refuses_is_named_and_nothing_trained  # noqa: F401
 
 from jax_models import USER_MODELS

@@ -33,6 +33,7 @@ from split_cases import assert_a_small_step_beside_much_memory_in_use_trains_as_
 from split_cases import assert_only_the_coupled_loss_is_warned_about
 from split_cases import test_a_sequential_built_from_its_first_batch_has_one_samples_layer_outputs  # noqa: F401
 from split_cases import test_callbacks_deep_copied_as_a_search_does_are_new_with_the_same_settings  # noqa: F401
+from split_cases import test_a_plain_fit_after_a_guarded_fit_another_callback_ended_is_plain  # noqa: F401
 from torch_models import make_failing
 from torch_models import max_relative_difference
 from torch_models import mlp_data
