@@ -687,3 +687,16 @@ def test_a_keras_2_model_is_refused_by_name_everywhere_and_still_trains_plain():
     # Refused before anything ran: the weights as built, and plain `fit` trains.
     assert result["unchanged"]
     assert result["trained"] == 1
+
+
+def test_an_epoch_no_batch_ran_in_logs_no_micro_batch_count():
+    # An empty dataset's epoch logged `micro_batches: 8`, the first plan,
+    # which no batch ran with; plain `fit` logs nothing there.
+    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")  # no metric: Keras logs `{}`
+    x, y = make_data(16)
+    empty = tf.data.Dataset.from_tensor_slices((x[:0], y[:0])).batch(8)
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30)
+    assert model.fit(empty, verbose=0, callbacks=[guard]).history == {}
+    history = model.fit(x, y, batch_size=8, verbose=0, callbacks=[guard]).history
+    assert history["micro_batches"] == [1]

@@ -154,6 +154,8 @@ class MemoryGuard(keras.callbacks.Callback):
         )
         # The `fit` now (its backend's training run), or None.
         self._run = None
+        # The session's step when the epoch began (None outside an epoch).
+        self._epoch_first_step = None
         # `evaluate` / `predict` outside `fit`: the run now, or None.
         self._inference = None
         # What a copy or an unpickled guard is made from (`copies`).
@@ -254,11 +256,14 @@ class MemoryGuard(keras.callbacks.Callback):
             self.session.writer.release(self)
 
     def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_first_step = self.session.step
         if self._run is not None:
             self._run.begin_epoch()
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is not None:
+        # Not for an epoch no batch ran in (an empty dataset): its count
+        # would be a plan no batch used.
+        if logs is not None and self.session.step != self._epoch_first_step:
             logs[MICRO_BATCHES_LOG_KEY] = self.micro_batches
         self.session.save_state()
         self.session.save_plan()
