@@ -489,6 +489,34 @@ def test_a_step_compiled_with_xla_is_another_setup_to_the_plan_cache():
     }
 
 
+def test_a_dtype_policy_is_another_setup_to_the_plan_cache(caplog):
+    # Under "mixed_bfloat16" the weights stay float32: the set-up read as
+    # float32's, and a float32 run planned its first batch from a mixed
+    # run's readings (half the activations), ran out of memory and replayed
+    # it (a CNN under a 250 MiB cap, bench/RESULTS.md).
+    x = np.random.default_rng(0).random((64, 16), dtype=np.float32)
+    y = x[:, :1]
+
+    def guarded_fit(policy):
+        model = keras.Sequential(
+            [keras.Input((16,)), keras.layers.Dense(32, dtype=policy),
+             keras.layers.Dense(1, dtype="float32")]
+        )
+        model.compile(optimizer="adam", loss="mse")
+        guard = keras_memguard.MemoryGuard(memory_limit=2**30)
+        with caplog.at_level(logging.INFO, logger="keras_memguard"):
+            model.fit(x, y, batch_size=32, verbose=0, callbacks=[guard])
+
+    guarded_fit("mixed_bfloat16")
+    caplog.clear()
+    guarded_fit("float32")
+    assert not any("planning from" in r.getMessage() for r in caplog.records)
+    assert len(os.listdir(plan_cache.cache_dir())) == 2
+    caplog.clear()
+    guarded_fit("mixed_bfloat16")
+    assert any("planning from" in r.getMessage() for r in caplog.records)
+
+
 def test_a_frozen_base_is_another_setup_to_the_plan_cache():
     # A base model frozen for a first `fit` and trainable for the next: the
     # second step holds the base's gradients, which the first never did.

@@ -377,6 +377,19 @@ def all_layers(model):
     )
 
 
+def dtype_policies(model):
+    """The name of each layer's dtype policy, in `all_layers` order.
+
+    A policy sets the dtype a layer computes in: under `"mixed_bfloat16"`
+    the activations take half the memory of `"float32"`'s over the same
+    float32 weights, which the weights' dtypes do not show.
+    """
+    return [
+        getattr(getattr(layer, "dtype_policy", None), "name", None)
+        for layer in all_layers(model)
+    ]
+
+
 def symbolic_build(model, data):
     """Creates model, metric and optimizer variables from a batch's specs."""
     _attribute(model, "_symbolic_build")(data_batch=data)

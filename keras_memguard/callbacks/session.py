@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional, Tuple
 import keras
 
 from keras_memguard import decider
+from keras_memguard.backends import compat
 from keras_memguard import oom_explanation
 from keras_memguard.callbacks import messages
 from keras_memguard.callbacks.controller import GuardController
@@ -361,9 +362,9 @@ class GuardSession:
         first is made trainable and the model compiled again, runs a step
         that holds gradients and optimizer updates for the base too; planned
         from the first `fit`'s readings it runs out of memory. So where the
-        trainable weights, the optimizer's class or `jit_compile` changed,
-        the readings are dropped and the next batch plans as the first of a
-        run does (from the plan cache entry of the new set-up, where there
+        trainable weights, the layers' dtype policies, the optimizer's class
+        or `jit_compile` changed, the readings are dropped and the next batch
+        plans as the first of a run does (from the plan cache entry of the new set-up, where there
         is one); what was learned stays in the cache under the old set-up.
         The micro-batch count in force and the error counts are kept.
         """
@@ -531,9 +532,11 @@ class GuardSession:
 
 
 def _trained_step(model):
-    """What sets a model's training step apart: its trainable weights, optimizer and XLA."""
+    """What sets a model's training step apart: its trainable weights, the
+    dtypes its layers compute in, its optimizer and XLA."""
     return (
         tuple((tuple(v.shape), str(v.dtype)) for v in model.trainable_variables),
+        tuple(compat.dtype_policies(model)),
         type(getattr(model, "optimizer", None)).__name__,
         bool(getattr(model, "jit_compile", False)),
     )

@@ -48,6 +48,9 @@ def describe_setup(model, data, devices, limits, mode):
         # Classes and shapes, not names: Keras numbers the names of every
         # new instance (`dense_3`), the same set-up built twice must match.
         "layers": [type(layer).__name__ for layer in compat.all_layers(model)],
+        # What the layers compute in: the weights stay float32 under mixed
+        # precision, the activations do not.
+        "policies": compat.dtype_policies(model),
         "weights": [[list(w.shape), str(w.dtype)] for w in model.weights],
         "trainable": [bool(w.trainable) for w in model.weights],
         "optimizer": None if optimizer is None else type(optimizer).__name__,

@@ -116,6 +116,8 @@ def describe_setup(model, data, devices, limits, mode):
     return {
         "model": type(model).__name__,
         "layers": [type(layer).__name__ for layer in model.layers],
+        # What the layers compute in (float32 weights under mixed precision).
+        "policies": compat.dtype_policies(model),
         "weights": [[list(v.shape), str(v.dtype)] for v in model.weights],
         "trainable": [bool(v.trainable) for v in model.weights],
         "optimizer": type(getattr(model, "optimizer", None)).__name__,
