@@ -28,6 +28,9 @@ logger = logging.getLogger("keras_memguard")
 
 CACHE_FORMAT_VERSION = 2
 
+# Folders a save could not write to, warned about once each.
+_UNWRITABLE = set()
+
 
 def cache_dir():
     """The folder plan files live in: `$KERAS_HOME/memguard`.
@@ -88,8 +91,8 @@ def load(key, fields):
     try:
         with open(path) as f:
             payload = json.load(f)
-    except FileNotFoundError:
-        return None
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # no file there (the save says why, where it cannot write)
     except (OSError, ValueError) as error:
         _warn_ignored(path, f"it cannot be read ({error})")
         return None
@@ -131,7 +134,17 @@ def save(key, fields, state):
             json.dump(payload, f, default=str)
         os.replace(tmp, path_for(key))
     except OSError as error:
-        logger.info("plan cache: could not write %s (%s)", folder, error)
+        if folder in _UNWRITABLE:
+            logger.info("plan cache: could not write %s (%s)", folder, error)
+            return
+        # Once a folder: a read-only home (a container's) would otherwise
+        # leave every run planning from scratch with nothing said.
+        _UNWRITABLE.add(folder)
+        warn_at_user_code(
+            f"keras_memguard cannot write its plan cache under {folder} "
+            f"({error}), so each run plans from scratch. HINT: set KERAS_HOME "
+            "to a writable folder, or pass MemoryGuard(plan_cache=False)."
+        )
 
 
 def _warn_ignored(path, why):

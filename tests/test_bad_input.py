@@ -700,3 +700,20 @@ def test_an_epoch_no_batch_ran_in_logs_no_micro_batch_count():
     assert model.fit(empty, verbose=0, callbacks=[guard]).history == {}
     history = model.fit(x, y, batch_size=8, verbose=0, callbacks=[guard]).history
     assert history["micro_batches"] == [1]
+
+
+def test_a_plan_cache_folder_that_cannot_be_written_is_warned_about_once(monkeypatch, tmp_path):
+    # A read-only home: every save failed at INFO level, and each run
+    # planned from scratch with nothing said.
+    home = tmp_path / "home"
+    home.write_text("a file where the folder would be")
+    monkeypatch.setenv("KERAS_HOME", str(home))
+    model = make_model()
+    x, y = make_data(32)
+    guard = keras_memguard.MemoryGuard(memory_limit=1 << 30)
+    with pytest.warns(UserWarning, match="cannot write its plan cache under") as record:
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[guard])
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[guard])
+    said = [w for w in record if "plan cache" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in said]
+    assert "HINT: set KERAS_HOME to a writable folder" in str(said[0].message)
