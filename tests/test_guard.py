@@ -581,6 +581,10 @@ def test_guard_refuses_to_start_without_a_memory_limit(monkeypatch):
         ({"scale_learning_rate": "yes"}, "scale_learning_rate='yes'"),
         ({"micro_batches": 0}, "micro_batches=0"),
         ({"micro_batches": 8, "max_micro_batches": 4}, "micro_batches=8"),
+        ({"backup_dir": 3}, "backup_dir=3"),
+        # A file where the folder would be: `fit` raised FileExistsError
+        # after its first epoch.
+        ({"backup_dir": __file__}, "backup_dir='.*test_guard.py'"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_value(kwargs, message):

@@ -133,6 +133,7 @@ class MemoryGuard(keras.callbacks.Callback):
             memory_limit, plan, escalate, scale_learning_rate=scale_learning_rate,
             plan_cache=plan_cache, reserve_memory=reserve_memory,
         )  # fmt: skip
+        guard_options.check_folder("backup_dir", backup_dir)
         self.mode = mode
         self.plan = plan
         self.plan_cache = plan_cache

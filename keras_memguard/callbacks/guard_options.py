@@ -1,5 +1,7 @@
 """`MemoryGuard`'s arguments, checked: each error names the argument, the value and what is valid."""
 
+import os
+
 from keras_memguard import decider
 from keras_memguard.decider import validate_micro_batches
 from keras_memguard.backends.tensorflow.probe import AllocatorProbe
@@ -56,3 +58,22 @@ def decider_config(
     if memory_limit is not None:
         AllocatorProbe(memory_limit=memory_limit)  # validates it
     return config
+
+
+def check_folder(name, value):
+    """Raises `ValueError` unless `value` is `None` or a path a folder is at
+    or can be made at: argument `name` (`backup_dir`) is written at the end
+    of every epoch, and an existing file there stopped `fit` after its first
+    epoch with `FileExistsError`."""
+    if value is None:
+        return
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(
+            f"`{name}` must be a folder's path (a str or os.PathLike) or None. "
+            f"Received: {name}={value!r}"
+        )
+    if os.path.exists(value) and not os.path.isdir(value):
+        raise ValueError(
+            f"`{name}` must be a folder's path; a file is there. "
+            f"Received: {name}={os.fspath(value)!r}"
+        )
