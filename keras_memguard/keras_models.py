@@ -34,7 +34,9 @@ def check_model(model, user):
     if not isinstance(model, keras.Model):
         kind = type(model)
         raise UnsupportedTrainingSetupError(
-            messages.not_a_keras_model(user, kind.__name__, kind.__module__)
+            messages.not_a_keras_model(
+                user, kind.__name__, kind.__module__, _is_keras_2(kind.__module__)
+            )
         )
 
 
@@ -55,7 +57,8 @@ def check_model_class(cls):
     if legacy is not None:
         raise UnsupportedTrainingSetupError(
             messages.not_a_keras_model(
-                "MemGuardMixin", legacy.__name__, legacy.__module__, class_name=cls.__name__
+                "MemGuardMixin", legacy.__name__, legacy.__module__, True,
+                class_name=cls.__name__,
             )
         )
 

@@ -4,8 +4,8 @@ One file per training set-up under `$KERAS_HOME/memguard/` (by default
 `~/.keras/memguard/`), named by a hash of the set-up: the model's class and
 weights (names, shapes, dtypes), the layers' dtype policies, the
 optimizer's class, the input signature (dtypes and the dimensions that do
-not vary), the devices, the memory limit,
-the micro-batching mode and the TensorFlow and Keras versions. A second
+not vary), the devices, the memory limit, the micro-batching mode and the
+TensorFlow and Keras versions. A second
 `fit` of the same set-up reads it and plans its first batch from what the
 first run measured. A file that cannot be read, or that describes another
 set-up, is ignored with one warning and replaced at the next save: it is

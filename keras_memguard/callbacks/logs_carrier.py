@@ -103,9 +103,8 @@ class LogsCarrier:
         count.
         """
         self._history = None
-        self._leave_after_error()
-        if model.train_function is self or model.train_function is None:
-            functions.set_train_function(model, None)
+        self._leave_after_error()  # the original back on the model
+        if model.train_function is None:  # none made before the guard's
             model.make_train_function()
         return model.train_function
 

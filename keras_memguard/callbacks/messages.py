@@ -426,24 +426,20 @@ def code_batch_search_refused(class_name, size, error, first=False):
     `first`: the step before any trial, where an input `fit` cannot train
     either (targets missing, a dataset of single samples) fails as well.
     """
+    also, check = "", ""
     if first:
-        return (
-            f"find_batch_size cannot try a batch of {_samples(size)} on "
-            f"{class_name}: its train step raised {error_summary(error)}. Code "
-            "that assumes the batch size (a reshape or a noise tensor made for "
-            "a fixed batch) fails so at any other batch; so does an input "
-            "`fit` cannot train either (targets the loss needs and `y` does not "
-            "give; a dataset of single samples, not batches). The weights are "
-            "as they were. HINT: check that `model.fit` trains on this input; "
-            "if it does, take the batch size from the input "
-            "(`keras.ops.shape(x)[0]`) to search."
+        also = (
+            "; so does an input `fit` cannot train either (targets the loss "
+            "needs and `y` does not give; a dataset of single samples, not "
+            "batches)"
         )
+        check = "check that `model.fit` trains on this input; if it does, "
     return (
         f"find_batch_size cannot try a batch of {_samples(size)} on "
         f"{class_name}: its train step raised {error_summary(error)}. Code "
         "that assumes the batch size (a reshape or a noise tensor made for a "
-        "fixed batch) fails so at any other batch. The weights are as they "
-        "were. HINT: take the batch size from the input "
+        f"fixed batch) fails so at any other batch{also}. The weights are as "
+        f"they were. HINT: {check}take the batch size from the input "
         "(`keras.ops.shape(x)[0]`) to search."
     )
 
@@ -667,14 +663,14 @@ def too_large(
     )
 
 
-def not_a_keras_model(user, type_name, module, class_name=None):
+def not_a_keras_model(user, type_name, module, keras_2, class_name=None):
     """The error where `user` got a model, or a model class, that is not Keras 3's.
 
     `type_name` and `module`: the class received (for a model class made
     with the mixin, `class_name` is that class and `type_name` its Keras 2
-    base).
+    base); `keras_2`: whether that class is Keras 2's (`tf_keras`).
     """
-    if module.partition(".")[0] == "tf_keras":
+    if keras_2:
         what = (
             f"a Keras 2 model (`{module}.{type_name}`, from the `tf_keras` "
             "package, which `tf.keras` is where TF_USE_LEGACY_KERAS=1 is set)"

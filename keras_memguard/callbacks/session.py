@@ -364,8 +364,9 @@ class GuardSession:
         from the first `fit`'s readings it runs out of memory. So where the
         trainable weights, the layers' dtype policies, the optimizer's class
         or `jit_compile` changed, the readings are dropped and the next batch
-        plans as the first of a run does (from the plan cache entry of the new set-up, where there
-        is one); what was learned stays in the cache under the old set-up.
+        plans as the first of a run does (from the plan cache entry of the
+        new set-up, where there is one); what was learned stays in the cache
+        under the old set-up.
         The micro-batch count in force and the error counts are kept.
         """
         signature = _trained_step(model)
